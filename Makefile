@@ -1,0 +1,42 @@
+# AlignedServe: `make run` sets up and runs the main job, `make test` sets up and runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run serve test test-all bench soak lint clean
+
+# NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
+# asked for only when none imports, which on these machines takes the CPU wheel from disk.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: serve
+
+serve: $(STAMP)
+	$(BIN)/aserve serve --model opt-125m
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not bench and not soak and not gpu" tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m bench bench
+
+soak: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m soak tests
+
+lint: $(STAMP)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/ruff check aserve models scheduler transport bench tests
+	$(BIN)/mypy aserve models scheduler transport
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,1 @@
+"""aserve package."""

@@ -1,0 +1,235 @@
+"""The data objects that flow between actors: requests, sequences, states, events, outputs.
+
+Imports no torch, asyncio or aiohttp: the first file a newcomer reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Literal, NewType
+
+import msgspec
+
+SeqId = NewType("SeqId", str)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample one request's tokens (the OpenAI completions fields)."""
+
+    max_tokens: int = 16  # tokens to generate, >= 1
+    min_tokens: int = 0  # EOS and stop strings are ignored before this many tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = -1  # -1 or 0 disables; else keep the k most likely tokens
+    seed: int | None = None  # per-request generator; same seed, same tokens
+    stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request
+    ignore_eos: bool = False  # keep going past EOS (benchmarks force output lengths)
+    logprobs: bool = False  # return the log-probability of each chosen token
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be in [0, max_tokens={self.max_tokens}]"
+            )
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature ({self.temperature}) must be a finite number >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k ({self.top_k}) must be -1 (off) or >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    """What the client asked for. Never mutated."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float  # perf_counter seconds
+
+
+class SeqStatus(IntEnum):
+    """Where a sequence is in its life. Finished states sort after the live ones.
+
+    WAITING -> PREFILLING -> POOLED -> STAGED -> DECODING -> FINISHED_*
+                                ^                   |
+                                +---- (evicted) ----+
+    The `continuous` policy skips POOLED and STAGED (prefill and decode share a device).
+    """
+
+    WAITING = 0  # queued for prefill
+    PREFILLING = 1  # in a prefill step
+    POOLED = 2  # KV in the host pool
+    STAGED = 3  # KV in a staging buffer on the prefill device
+    DECODING = 4  # KV in the decode cache, in the running batch
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SeqStatus.FINISHED_STOPPED
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+FINISH_REASONS: dict[SeqStatus, FinishReason] = {
+    SeqStatus.FINISHED_STOPPED: "stop",
+    SeqStatus.FINISHED_LENGTH: "length",
+    SeqStatus.FINISHED_ABORTED: "abort",
+    SeqStatus.FINISHED_ERROR: "error",
+}
+
+Location = Literal["none", "prefill", "host", "staging", "decode"]
+
+EventKind = Literal[
+    "arrival",
+    "prefill_start",
+    "prefill_end",
+    "pooled",
+    "prefetched",
+    "decode_start",
+    "evicted",
+    "first_token",
+    "token",
+    "finish",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One lifecycle transition; the benchmark reads these and nothing else."""
+
+    seq_id: str
+    kind: EventKind
+    time: float  # perf_counter seconds
+
+
+@dataclass(slots=True)
+class Sequence:
+    """The engine's mutable state for one request; owned by exactly one actor at a time.
+
+    token_ids:  | prompt ............ | output ...... |
+                |<- num_prompt_tokens ->|
+                |<---- num_computed_tokens ---->| (work left: num_tokens - computed)
+
+    `location` says where the KV lives; its block table is held by that location's
+    allocator in transport/, keyed by seq_id (only transport writes block tables).
+    `instance` is the decode instance a batch was assigned to (or -1).
+    """
+
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    location: Location = "none"
+    status: SeqStatus = SeqStatus.WAITING
+    instance: int = -1
+    output_logprobs: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def from_request(cls, request: Request) -> Sequence:
+        return cls(
+            request=request,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """KV entries that exist: every token but the newest sampled one."""
+        return self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int, time: float, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.token_times.append(time)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one sequence; streamed to the request's queue."""
+
+    seq_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...]
+    time: float
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One decode (or mixed) iteration, for research traces and the benchmark."""
+
+    instance: str  # e.g. "decode0"
+    start_time: float
+    batch_size: int
+    num_prefill_tokens: int  # chunked-prefill tokens mixed in (continuous policy)
+    min_len: int  # shortest prefix in the batch (tokens)
+    max_len: int  # longest prefix in the batch (tokens)
+    forward_time: float  # seconds
+    schedule_time: float  # seconds spent in the policy at the boundary before it
+    is_mixed: bool  # requests of two batches (old and new) ran together
+    blocks_used: dict[str, int]  # location -> blocks in use after the step
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The client's view of a request, yielded as tokens arrive."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
