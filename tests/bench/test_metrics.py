@@ -1,0 +1,146 @@
+"""Tests for bench/metrics.py on hand-made event logs with hand-computed figures."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from aserve.core import Event, EventKind, IterationRecord
+from bench.metrics import percentile, request_metrics, summarize
+
+
+def _log(seq_id: str, *steps: tuple[EventKind, float]) -> list[Event]:
+    return [Event(seq_id, kind, t) for kind, t in steps]
+
+
+def _events() -> list[Event]:
+    """a: 4 tokens; b: 1 token; c: aborted before its first token; d: still in flight."""
+    return [
+        *_log("a", ("arrival", 0.0), ("prefill_start", 0.1), ("prefill_end", 0.3),
+              ("first_token", 0.5), ("token", 0.7), ("evicted", 0.8), ("token", 0.9),
+              ("token", 1.3), ("finish", 1.3)),
+        *_log("b", ("arrival", 1.0), ("first_token", 1.2), ("finish", 1.2)),
+        *_log("c", ("arrival", 0.5), ("finish", 0.6)),
+        *_log("d", ("arrival", 2.0), ("first_token", 2.5)),
+    ]
+
+
+def _iteration(
+    min_len: int, max_len: int, forward_time: float, is_mixed: bool = False,
+    blocks: dict[str, int] | None = None, batch_size: int = 4, instance: str = "decode0",
+) -> IterationRecord:
+    return IterationRecord(
+        instance=instance, start_time=0.0, batch_size=batch_size, num_prefill_tokens=0,
+        min_len=min_len, max_len=max_len, forward_time=forward_time,
+        schedule_time=forward_time / 10, is_mixed=is_mixed, blocks_used=blocks or {},
+    )
+
+
+def test_request_metrics_hand_computed() -> None:
+    by_id = {m.seq_id: m for m in request_metrics(_events())}
+    a, b, c = by_id["a"], by_id["b"], by_id["c"]
+    assert (a.ttft, a.e2e, a.num_output_tokens) == (0.5, 1.3, 4)
+    assert a.tpot == pytest.approx((1.3 - 0.5) / 3)
+    assert a.num_evictions == 1
+    assert b.ttft == pytest.approx(0.2) and b.tpot is None and b.num_output_tokens == 1
+    assert c.ttft is None and c.first_token is None and c.num_output_tokens == 0
+    assert c.e2e == pytest.approx(0.1)
+
+
+def test_unfinished_requests_are_left_out_and_order_is_by_arrival() -> None:
+    assert [m.seq_id for m in request_metrics(_events())] == ["a", "c", "b"]
+
+
+def test_event_order_does_not_matter() -> None:
+    shuffled = _events()
+    random.Random(0).shuffle(shuffled)
+    assert request_metrics(shuffled) == request_metrics(_events())
+
+
+def test_finish_without_arrival_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'x'.*no arrival"):
+        request_metrics(_log("x", ("first_token", 1.0), ("finish", 2.0)))
+
+
+def test_summary_throughput_and_latency_hand_computed() -> None:
+    s = summarize("sys", _events(), [])
+    assert (s.system, s.num_requests, s.num_output_tokens) == ("sys", 3, 5)
+    assert s.duration == pytest.approx(1.3)  # first arrival 0.0 -> last finish 1.3
+    assert s.decode_throughput == pytest.approx(5 / 1.3)
+    assert s.request_throughput == pytest.approx(3 / 1.3)
+    assert s.ttft_mean == pytest.approx(0.35)  # ttfts 0.5 and 0.2
+    assert s.ttft_p50 == pytest.approx(0.35)
+    assert s.ttft_p99 == pytest.approx(0.2 + 0.3 * 0.99)
+    assert s.tpot_mean == s.tpot_p99 == pytest.approx(0.8 / 3)
+    assert s.e2e_mean == pytest.approx((1.3 + 0.2 + 0.1) / 3)
+
+
+@pytest.mark.parametrize(
+    ("ttft_target", "tpot_target", "num_good"),
+    [
+        (math.inf, math.inf, 2),  # every request with a token
+        (0.4, math.inf, 1),  # a's TTFT 0.5 misses
+        (1.0, 0.25, 1),  # a's TPOT 0.267 misses; b has no TPOT
+        (1.0, 0.3, 2),
+        (0.1, math.inf, 0),
+    ],
+)
+def test_goodput_counts_requests_meeting_both_targets(
+    ttft_target: float, tpot_target: float, num_good: int
+) -> None:
+    s = summarize("sys", _events(), [], ttft_target=ttft_target, tpot_target=tpot_target)
+    assert s.goodput == pytest.approx(num_good / 1.3)
+
+
+def test_iteration_shares_and_times() -> None:
+    iterations = [
+        _iteration(100, 140, 0.010),  # aligned
+        _iteration(100, 150, 0.020, blocks={"decode": 7}),  # aligned (ratio exactly 1.5)
+        _iteration(100, 151, 0.030, is_mixed=True, blocks={"decode": 9, "staging": 2}),
+        _iteration(10, 4000, 0.040, blocks={"decode": 5}, instance="decode1"),
+        _iteration(0, 0, 0.001, batch_size=0),  # idle step: not a decode iteration
+    ]
+    s = summarize("sys", _events(), iterations)
+    assert s.aligned_iteration_share == pytest.approx(2 / 4)
+    assert s.mixed_iteration_share == pytest.approx(1 / 5)
+    assert s.forward_time_p50 == pytest.approx(0.020)
+    assert s.forward_time_p99 == pytest.approx(0.030 + 0.010 * 0.96)
+    assert s.schedule_time_p50 == pytest.approx(0.002)
+    assert s.peak_blocks == {"decode": 9, "staging": 2}
+
+
+def test_empty_run_gives_nan_not_errors() -> None:
+    s = summarize("sys", [], [])
+    assert s.num_requests == 0 and s.duration == 0.0
+    assert math.isnan(s.decode_throughput) and math.isnan(s.ttft_p99)
+    assert math.isnan(s.aligned_iteration_share) and s.peak_blocks == {}
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([1.0, 2.0, 3.0, 4.0], 99, 3.97),
+        ([4.0, 1.0, 3.0, 2.0], 0, 1.0),
+        ([4.0, 1.0, 3.0, 2.0], 100, 4.0),
+        ([7.0], 99, 7.0),
+    ],
+)
+def test_percentile_hand_computed(values: list[float], q: float, expected: float) -> None:
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    rng = random.Random(1)
+    values = [rng.expovariate(3.0) for _ in range(257)]
+    for q in (1, 25, 50, 90, 99, 99.9):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_empty_is_nan_and_bad_q_is_rejected() -> None:
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="q"):
+        percentile([1.0], 101)
