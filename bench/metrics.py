@@ -62,7 +62,7 @@ class Summary:
     forward_time_p99: float
     schedule_time_p50: float
     schedule_time_p99: float
-    peak_blocks: dict[str, int]  # location -> most blocks in use in any one instance
+    peak_blocks: dict[str, int]  # blocks_used key (a KV store, e.g. "decode1") -> peak
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -190,7 +190,10 @@ def aligned_share(iterations: Sequence[IterationRecord]) -> float:
 
 
 def peak_blocks(iterations: Sequence[IterationRecord]) -> dict[str, int]:
-    """Location -> the most blocks in use after any one step of any one instance."""
+    """Each blocks_used key (a KV store or location) -> the most blocks in use after any step.
+
+    Keys are taken as the records give them: per-instance store names stay separate.
+    """
     peaks: dict[str, int] = {}
     for it in iterations:
         for location, num_blocks in it.blocks_used.items():
