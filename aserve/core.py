@@ -92,8 +92,6 @@ FINISH_REASONS: dict[SeqStatus, FinishReason] = {
     SeqStatus.FINISHED_ERROR: "error",
 }
 
-Location = Literal["none", "prefill", "host", "staging", "decode"]
-
 EventKind = Literal[
     "arrival",
     "prefill_start",
@@ -125,18 +123,20 @@ class Sequence:
                 |<- num_prompt_tokens ->|
                 |<---- num_computed_tokens ---->| (work left: num_tokens - computed)
 
-    `location` says where the KV lives; its block table is held by that location's
-    allocator in transport/, keyed by seq_id (only transport writes block tables).
-    `instance` is the decode instance a batch was assigned to (or -1).
+    `location` names the KV store holding the KV ("prefill0", "host", "staging1", "decode1";
+    "" when none); its block table is held by that store's allocator in transport/, keyed
+    by seq_id (only transport writes block tables). `instance` is the decode instance the
+    sequence was assigned to (-1 before), `batch_id` the candidate batch it came with.
     """
 
     request: Request
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int = 0
-    location: Location = "none"
+    location: str = ""
     status: SeqStatus = SeqStatus.WAITING
     instance: int = -1
+    batch_id: int = -1
     output_logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None

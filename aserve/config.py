@@ -1,0 +1,231 @@
+"""Every configuration object, and the one place that reads the CLI and the environment.
+
+Configs are frozen msgspec Structs validated on construction; derived values are properties.
+`models/` never sees these: it gets an `OPTConfig` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-splitk")
+ENV_PREFIX = "ASERVE_"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Which weights to run and how."""
+
+    model: str = "opt-125m"  # a preset name (see models.opt) or an HF checkpoint directory
+    dtype: str = "float32"  # one of DTYPES
+    attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
+    max_position_embeddings: int | None = None  # extend a preset's position table (tokens)
+    seed: int = 0  # seed of a preset's random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype ({self.dtype!r}) must be one of {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention ({self.attention!r}) must be one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(
+                f"max_position_embeddings ({self.max_position_embeddings}) must be >= 1"
+            )
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """KV memory on every location, in blocks of `block_size` tokens (host pool in GB)."""
+
+    block_size: int = 16  # tokens per KV block
+    num_decode_blocks: int = 2048  # decode KV capacity per decode instance (blocks)
+    num_prefill_blocks: int = 1024  # scratch KV on each prefill instance (blocks)
+    num_staging_blocks: int = 1024  # candidate buffers on each prefill device (blocks)
+    host_pool_gb: float = 2.0  # host KV pool capacity (GiB)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_decode_blocks", "num_prefill_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.num_staging_blocks < 0:
+            raise ValueError(f"num_staging_blocks ({self.num_staging_blocks}) must be >= 0")
+        if self.host_pool_gb <= 0:
+            raise ValueError(f"host_pool_gb ({self.host_pool_gb}) must be > 0")
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gb * 2**30)
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Which policy runs and its budgets."""
+
+    policy: str = "aligned"  # aligned | aligned-noprefetch | fcfs | continuous | registered
+    max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
+    max_batch_size: int = 256  # most sequences in one decode iteration
+    min_requests: int = 8  # DFS: smallest batch that saturates the decode device
+    leaf_width: int = 16  # quad-tree leaf range (tokens)
+    batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
+    starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
+    max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
+
+    def __post_init__(self) -> None:
+        for name in ("max_prefill_tokens", "max_batch_size", "min_requests", "leaf_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if not 0 < self.batch_kv_fraction <= 1:
+            raise ValueError(f"batch_kv_fraction ({self.batch_kv_fraction}) must be in (0, 1]")
+        if self.starvation_threshold is not None and self.starvation_threshold <= 0:
+            raise ValueError(
+                f"starvation_threshold ({self.starvation_threshold}) must be > 0 or None"
+            )
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting ({self.max_waiting}) must be >= 1")
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"  # bind address; loopback unless asked otherwise
+    port: int = 8000
+    api_key: str | None = None  # bearer token required on every route but /health
+    served_model_name: str | None = None  # name in /v1/models; defaults to the model
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port ({self.port}) must be in [0, 65535]")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be >= 1024")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the engine needs; composed of one config per area."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
+    decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
+    seed: int = 0  # engine-wide seed for unseeded sampling
+
+    def __post_init__(self) -> None:
+        if not self.prefill_devices:
+            raise ValueError("prefill_devices must name at least one device")
+        if not self.decode_devices:
+            raise ValueError("decode_devices must name at least one device")
+        for dev in (*self.prefill_devices, *self.decode_devices):
+            if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
+                raise ValueError(f"device ({dev!r}) must be 'cpu' or 'cuda[:N]'")
+
+    @classmethod
+    def create(cls, **kwargs: object) -> EngineConfig:
+        """Builds a config from flat keyword arguments (`model=`, `policy=`, `block_size=`…),
+        routing each to its area; unknown names raise ValueError."""
+        areas: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        top: dict[str, object] = {}
+        for key, value in kwargs.items():
+            area = _AREA_OF.get(key)
+            if area is None:
+                raise ValueError(f"unknown engine option {key!r}")
+            (areas[area] if area else top)[key] = value
+        for key in ("prefill_devices", "decode_devices"):
+            if isinstance(top.get(key), str):
+                top[key] = (top[key],)
+            elif key in top:
+                top[key] = tuple(top[key])  # type: ignore[arg-type]
+        return cls(
+            model=ModelConfig(**areas["model"]),  # type: ignore[arg-type]
+            cache=CacheConfig(**areas["cache"]),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(**areas["scheduler"]),  # type: ignore[arg-type]
+            **top,  # type: ignore[arg-type]
+        )
+
+
+def _fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
+    return struct.__struct_fields__
+
+
+_AREA_OF: dict[str, str] = {
+    **{f: "model" for f in _fields(ModelConfig)},
+    **{f: "cache" for f in _fields(CacheConfig)},
+    **{f: "scheduler" for f in _fields(SchedulerConfig)},
+    **{f: "" for f in ("prefill_devices", "decode_devices", "seed")},
+}
+
+
+def _env_default(name: str, default: object, env: Mapping[str, str]) -> object:
+    value = env.get(ENV_PREFIX + name.upper().replace("-", "_"))
+    return default if value is None else value
+
+
+def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Adds the engine options to a CLI parser; each defaults to its ASERVE_* variable."""
+    m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
+    d = lambda n, v: _env_default(n, v, env)  # noqa: E731
+    parser.add_argument("--model", default=d("model", m.model))
+    parser.add_argument("--dtype", default=d("dtype", m.dtype), choices=DTYPES)
+    parser.add_argument("--attention", default=d("attention", m.attention))
+    parser.add_argument("--max-position-embeddings", type=int,
+                        default=d("max_position_embeddings", None))
+    parser.add_argument("--policy", default=d("policy", s.policy))
+    parser.add_argument("--prefill-device", dest="prefill_devices", action="append")
+    parser.add_argument("--decode-device", dest="decode_devices", action="append")
+    parser.add_argument("--block-size", type=int, default=d("block_size", c.block_size))
+    parser.add_argument("--num-decode-blocks", type=int,
+                        default=d("num_decode_blocks", c.num_decode_blocks))
+    parser.add_argument("--num-prefill-blocks", type=int,
+                        default=d("num_prefill_blocks", c.num_prefill_blocks))
+    parser.add_argument("--num-staging-blocks", type=int,
+                        default=d("num_staging_blocks", c.num_staging_blocks))
+    parser.add_argument("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb))
+    parser.add_argument("--max-batch-size", type=int,
+                        default=d("max_batch_size", s.max_batch_size))
+    parser.add_argument("--max-prefill-tokens", type=int,
+                        default=d("max_prefill_tokens", s.max_prefill_tokens))
+    parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
+    parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
+    parser.add_argument("--seed", type=int, default=d("seed", 0))
+
+
+_ENGINE_ARGS = (
+    "model", "dtype", "attention", "max_position_embeddings", "policy", "block_size",
+    "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks", "host_pool_gb",
+    "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting", "seed",
+)
+
+
+def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> EngineConfig:
+    """The EngineConfig the parsed CLI arguments describe (types coerced from env strings)."""
+    types = {
+        **{f: t for f, t in _annotations(ModelConfig).items()},
+        **{f: t for f, t in _annotations(CacheConfig).items()},
+        **{f: t for f, t in _annotations(SchedulerConfig).items()},
+    }
+    kwargs: dict[str, object] = {}
+    for name in _ENGINE_ARGS:
+        value = getattr(args, name)
+        if isinstance(value, str) and types.get(name) in ("int", "float", "int | None"):
+            value = float(value) if types[name] == "float" else int(value)
+        kwargs[name] = value
+    prefill = args.prefill_devices or _split(env.get(ENV_PREFIX + "PREFILL_DEVICES", "cpu"))
+    decode = args.decode_devices or _split(env.get(ENV_PREFIX + "DECODE_DEVICES", "cpu"))
+    return EngineConfig.create(prefill_devices=prefill, decode_devices=decode, **kwargs)
+
+
+def _annotations(struct: type) -> dict[str, str]:
+    return {k: str(v) for k, v in struct.__annotations__.items()}
+
+
+def _split(value: str) -> Sequence[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment; the only read of os.environ in the package."""
+    return os.environ

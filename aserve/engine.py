@@ -1,0 +1,291 @@
+"""Engine: builds the actors of one engine, admits requests, and streams their outputs.
+
+The embedded API: `async with Engine(config) as engine: async for out in engine.generate(...)`.
+Policy lives in scheduler/, tensors in the runner and transport/; this file wires them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from aserve.actors.base import Actor, EngineContext
+from aserve.actors.batcher import BatcherActor
+from aserve.actors.continuous import ContinuousActor
+from aserve.actors.decode import DecodeActor
+from aserve.actors.pool import PoolActor
+from aserve.actors.prefill import PrefillActor
+from aserve.config import EngineConfig
+from aserve.core import (
+    FINISH_REASONS,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SeqStatus,
+    StepOutput,
+)
+from aserve.errors import EngineError, EngineOverloaded
+from aserve.kvspace import KVSpace
+from aserve.messages import Abort, Submit
+from aserve.outputs import Outputs
+from aserve.runner import ModelRunner
+from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from scheduler import PolicyConfig, get_policy
+from transport.kv import KVGeometry
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+
+
+class Engine:
+    """One serving engine: prefill, pool, batcher and decode actors over shared KV space."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._live: dict[str, Sequence] = {}
+        self.ctx: EngineContext | None = None
+        self.tokenizer: Tokenizer
+        self.is_running = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Loads the model on every device (in worker threads) and starts the actors."""
+        cfg = self.config
+        runners: dict[str, ModelRunner] = {}
+        for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
+            runners[dev] = await asyncio.to_thread(
+                ModelRunner, cfg.model, torch.device(dev), cfg.cache.block_size)
+        model_config = next(iter(runners.values())).model_config
+        self.tokenizer = load_tokenizer(
+            None if model_config_is_preset(cfg.model.model) else cfg.model.model,
+            model_config.vocab_size, model_config.eos_token_id, model_config.bos_token_id)
+        geometry = KVGeometry(model_config.num_layers, model_config.num_heads,
+                              model_config.head_dim, cfg.cache.block_size,
+                              DTYPES[cfg.model.dtype])
+        sched = cfg.scheduler
+        policy = get_policy(sched.policy, PolicyConfig(
+            min_requests=sched.min_requests, leaf_width=sched.leaf_width,
+            max_len=_pow4_at_least(model_config.max_position_embeddings),
+            starvation_threshold=sched.starvation_threshold))
+        self.ctx = EngineContext(cfg, KVSpace(cfg, geometry), runners, policy,
+                                 Outputs(model_config.eos_token_id),
+                                 model_config.max_position_embeddings)
+        self.vocab_size = model_config.vocab_size
+        self._build_actors(self.ctx)
+        self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
+        self.is_running = True
+
+    def _build_actors(self, ctx: EngineContext) -> None:
+        if not ctx.policy.uses_pool:
+            ctx.decode = [ContinuousActor(ctx, j)  # type: ignore[misc]
+                          for j in range(len(ctx.config.decode_devices))]
+            return
+        ctx.prefill = [PrefillActor(ctx, i) for i in range(len(ctx.config.prefill_devices))]
+        ctx.pool = PoolActor(ctx)
+        ctx.batcher = BatcherActor(ctx)
+        ctx.decode = [DecodeActor(ctx, j) for j in range(len(ctx.config.decode_devices))]
+
+    @property
+    def actors(self) -> list[Actor]:
+        ctx = self._context
+        extra = [a for a in (ctx.pool, ctx.batcher) if a is not None]
+        return [*ctx.prefill, *extra, *ctx.decode]
+
+    @property
+    def _context(self) -> EngineContext:
+        if self.ctx is None:
+            raise EngineError("the engine is not started; use `async with Engine(...)`")
+        return self.ctx
+
+    async def stop(self) -> None:
+        """Aborts what is in flight, stops the actors and releases the worker threads."""
+        if not self.is_running:
+            return
+        self.is_running = False
+        for seq_id in list(self._live):
+            self.abort(seq_id)
+        await asyncio.sleep(0)
+        for actor in self.actors:
+            actor.stop()
+        await asyncio.wait(self._tasks, timeout=30)
+        for task in self._tasks:
+            task.cancel()
+        ctx = self._context
+        ctx.kv.shutdown()
+        for runner in ctx.runners.values():
+            runner.shutdown()
+
+    # -- requests ------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:
+        """Tokenizes and validates a request; raises ValueError naming the bad field."""
+        ctx = self._context
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size),
+                   None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if total > ctx.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds the model's context ({ctx.max_model_len})")
+        self._check_fits(len(ids), total)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        return Request(request_id=rid, prompt_token_ids=tuple(ids), sampling=params,
+                       arrival_time=time.perf_counter())
+
+    def _check_fits(self, prompt_len: int, total: int) -> None:
+        cache, kv = self.config.cache, self._context.kv
+        limits = [("num_decode_blocks", cache.num_decode_blocks)]
+        if self._context.policy.uses_pool:
+            limits.append(("num_prefill_blocks", cache.num_prefill_blocks))
+        for name, limit in limits:
+            if kv.blocks_for(total) > limit:
+                raise ValueError(f"prompt + max_tokens ({total} tokens) needs "
+                                 f"{kv.blocks_for(total)} KV blocks but {name} is {limit}")
+
+    @property
+    def num_waiting(self) -> int:
+        ctx = self._context
+        actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
+        return sum(len(a.waiting) for a in actors)  # type: ignore[attr-defined]
+
+    def submit(self, request: Request) -> asyncio.Queue[StepOutput]:
+        """Hands a validated request to the engine; returns its output queue."""
+        ctx = self._context
+        if not self.is_running:
+            raise EngineError("the engine is stopped")
+        if self.num_waiting >= self.config.scheduler.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are waiting "
+                                   f"(max_waiting={self.config.scheduler.max_waiting})")
+        seq = Sequence.from_request(request)
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        ctx.outputs.queues[seq.seq_id] = queue
+        self._live[seq.seq_id] = seq
+        ctx.outputs.event(seq.seq_id, "arrival", request.arrival_time)
+        actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
+        target = min(actors, key=lambda a: a.num_waiting_tokens)  # type: ignore[attr-defined]
+        target.send(Submit(seq))
+        return queue
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams a request's output as tokens come; the last output has finished=True.
+
+        Leaving the loop early (or a client disconnect) aborts the request."""
+        params = params or SamplingParams()
+        request = self.make_request(prompt, params, request_id)
+        queue = self.submit(request)
+        seq = self._live[request.request_id]
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                detok.feed(out.new_token_ids)
+                finished = out.finished
+                if detok.stopped and not finished:
+                    self.finish_request(seq.seq_id, SeqStatus.FINISHED_STOPPED)
+                    finished = True
+                    yield _output(seq, detok, "stop", None)
+                else:
+                    reason = out.finish_reason if finished else None
+                    if finished:
+                        detok.finish()
+                    yield _output(seq, detok, reason, out.error)
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            self._forget(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is; its blocks are freed by the actor that holds it."""
+        self.finish_request(request_id, SeqStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: SeqStatus) -> None:
+        ctx = self._context
+        if request_id not in self._live or self._live[request_id].is_finished:
+            return
+        ctx.outputs.finish_requests.setdefault(request_id, status)
+        for actor in self.actors:
+            actor.send(Abort(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        seq = self._live.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._live[request_id]
+            self._context.outputs.queues.pop(request_id, None)
+
+    # -- observability ---------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Whether every actor's loop is alive, and the last error each one caught."""
+        tasks = {t.get_name(): t for t in self._tasks}
+        actors = {a.name: {"alive": not tasks[a.name].done(), "errors": a.num_errors,
+                           "last_error": a.last_error} for a in self.actors}
+        return {"healthy": self.is_running and all(a["alive"] for a in actors.values()),
+                "actors": actors}
+
+    def stats(self) -> dict[str, Any]:
+        ctx = self._context
+        return {"running": sum(1 for s in self._live.values()
+                               if s.status >= SeqStatus.PREFILLING and not s.is_finished),
+                "waiting": self.num_waiting, "kv": ctx.kv.usage()}
+
+    @property
+    def events(self) -> list:  # type: ignore[type-arg]
+        return self._context.outputs.events
+
+    @property
+    def iterations(self) -> list:  # type: ignore[type-arg]
+        return self._context.outputs.iterations
+
+    def check_integrity(self) -> None:
+        self._context.kv.check_integrity()
+
+
+def _output(seq: Sequence, detok: IncrementalDetokenizer, reason: str | None,
+            error: str | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.seq_id, prompt_token_ids=list(seq.request.prompt_token_ids),
+        token_ids=seq.output_token_ids, text=detok.text, finished=reason is not None,
+        finish_reason=reason,  # type: ignore[arg-type]
+        logprobs=list(seq.output_logprobs) if seq.sampling.logprobs else None,
+        arrival_time=seq.request.arrival_time,
+        first_token_time=seq.token_times[0] if seq.token_times else None,
+        token_times=list(seq.token_times), error=error)
+
+
+def model_config_is_preset(model: str) -> bool:
+    return model.startswith("opt-") and "/" not in model
+
+
+def _pow4_at_least(n: int) -> int:
+    size = 4
+    while size < n:
+        size *= 4
+    return size
+
+
+__all__ = ["Engine", "FINISH_REASONS"]

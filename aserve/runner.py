@@ -1,0 +1,128 @@
+"""ModelRunner: turns a step's work into tensors, runs forward and sampling on one device.
+
+All blocking torch work (forward, sampling, `.tolist()`) happens here, in the device's single
+worker thread; actors reach it only through the awaitable `ModelRunner.execute`.
+It makes no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+
+from aserve.config import ModelConfig
+from models.attention import AttentionMetadata, get_backend
+from models.loader import load_model
+from models.opt import OPTConfig, OPTForCausalLM
+from models.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One sequence's share of a step: compute tokens [start, start + len(token_ids))."""
+
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start: int  # position of the first of them (= tokens already cached)
+    block_table: list[int]  # covers start + len(token_ids) tokens
+    do_sample: bool  # the last token is the sequence's newest: sample the next one
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    step: int  # output tokens so far; seeded draws depend on (seed, step) only
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled tokens, aligned with the work items that asked for one (None elsewhere)."""
+
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+    forward_time: float  # seconds of forward + sampling, measured in the worker thread
+
+
+class ModelRunner:
+    """The model on one device and that device's worker thread.
+
+    `fault_hook` is a test hook: when set, it is called at the start of every step and may
+    raise to simulate a failing forward pass.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device, block_size: int) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.model: OPTForCausalLM
+        self.model_config: OPTConfig
+        self.model, self.model_config = load_model(
+            config.model, config.dtype, device, seed=config.seed,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        self.model.eval()
+        self.backend = get_backend(config.attention)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
+        self.fault_hook: Callable[[], None] | None = None
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs `fn(*args)` in this device's worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)
+
+    async def execute(self, items: list[WorkItem], kv_cache: torch.Tensor) -> StepResult:
+        """Runs one step (prefill, decode or mixed) over `items` against `kv_cache`."""
+        return await self.call(self.execute_sync, items, kv_cache)
+
+    @torch.inference_mode()
+    def execute_sync(self, items: list[WorkItem], kv_cache: torch.Tensor) -> StepResult:
+        start_time = time.perf_counter()
+        if self.fault_hook is not None:
+            self.fault_hook()
+        input_ids, positions, meta = self._prepare(items)
+        hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
+        sample_rows = [i for i, item in enumerate(items) if item.do_sample]
+        token_ids: list[int | None] = [None] * len(items)
+        logprobs: list[float | None] = [None] * len(items)
+        if sample_rows:
+            ends = meta.query_start_loc[1:] - 1  # [num_seqs] last token of each sequence
+            index = ends[torch.tensor(sample_rows, device=self.device)]  # [num_sample]
+            logits = self.model.compute_logits(hidden[index])  # [num_sample, vocab]
+            chosen = [items[i] for i in sample_rows]
+            st = SamplingTensors.from_lists(
+                [c.temperature for c in chosen], [c.top_p for c in chosen],
+                [c.top_k for c in chosen], [c.seed for c in chosen], self.device,
+                step_offsets=[c.step for c in chosen],
+            )
+            result = sample(logits, st)
+            for row, tok, lp in zip(sample_rows, result.token_ids.tolist(),
+                                    result.logprobs.tolist()):
+                token_ids[row], logprobs[row] = tok, lp
+        return StepResult(token_ids, logprobs, time.perf_counter() - start_time)
+
+    def _prepare(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor,
+                                                       AttentionMetadata]:
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        for item in items:
+            flat_ids.extend(item.token_ids)
+            flat_pos.extend(range(item.start, item.start + len(item.token_ids)))
+        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)  # [T]
+        positions = torch.tensor(flat_pos, dtype=torch.long, device=self.device)  # [T]
+        meta = AttentionMetadata.build(
+            query_lens=[len(item.token_ids) for item in items],
+            seq_lens=[item.start + len(item.token_ids) for item in items],
+            block_tables=[item.block_table for item in items],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        return input_ids, positions, meta
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
