@@ -1,0 +1,164 @@
+"""BlockAllocator: tables, running out, double frees, and integrity under any sequence of calls."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from transport.blocks import PAD_BLOCK_ID, BlockAllocator
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 4  # tokens
+
+
+def test_allocate_covers_the_tokens_with_lowest_free_ids() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    assert allocator.allocate("a", 5) == [1, 2]
+    assert allocator.allocate("b", 4) == [3]
+    assert allocator.free("a") == 2
+    assert allocator.allocate("c", 12) == [1, 2, 4]
+    assert PAD_BLOCK_ID not in allocator.table("c")
+    allocator.check_integrity()
+
+
+def test_out_of_room_returns_none_and_changes_nothing() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    allocator.allocate("a", (NUM_BLOCKS - 1) * BLOCK_SIZE)
+    assert allocator.allocate("b", 2 * BLOCK_SIZE) is None
+    assert "b" not in allocator
+    assert allocator.grow("a", (NUM_BLOCKS + 1) * BLOCK_SIZE) is None
+    assert len(allocator.table("a")) == NUM_BLOCKS - 1
+    assert allocator.num_free == 1
+    allocator.check_integrity()
+
+
+def test_grow_returns_only_new_ids_and_never_shrinks() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    allocator.allocate("a", 4)
+    assert allocator.grow("a", 4) == []
+    assert allocator.grow("a", 9) == [2, 3]
+    assert allocator.grow("a", 1) == []
+    assert allocator.table("a") == [1, 2, 3]
+    allocator.check_integrity()
+
+
+def test_table_is_a_copy() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    allocator.allocate("a", 4)
+    allocator.table("a").append(7)
+    assert allocator.table("a") == [1]
+
+
+def test_double_free_raises_key_error_naming_the_owner() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, name="decode")
+    allocator.allocate("seq-7", 4)
+    allocator.free("seq-7")
+    with pytest.raises(KeyError, match="seq-7"):
+        allocator.free("seq-7")
+    assert allocator.num_free == NUM_BLOCKS
+    allocator.check_integrity()
+
+
+def test_allocate_to_an_existing_owner_raises_value_error() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    allocator.allocate("a", 4)
+    with pytest.raises(ValueError, match="'a'"):
+        allocator.allocate("a", 4)
+
+
+def test_grow_of_an_unknown_owner_raises_key_error() -> None:
+    with pytest.raises(KeyError, match="ghost"):
+        BlockAllocator(NUM_BLOCKS, BLOCK_SIZE).grow("ghost", 4)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "field"), [(0, 4, "num_blocks"), (4, 0, "block_size")]
+)
+def test_bad_sizes_raise_value_error_naming_the_field(
+    num_blocks: int, block_size: int, field: str
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        BlockAllocator(num_blocks, block_size)
+
+
+def test_check_integrity_catches_a_block_in_two_tables() -> None:
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    allocator.allocate("a", 4)
+    allocator.allocate("b", 4)
+    allocator._tables["b"][0] = allocator._tables["a"][0]  # corrupt on purpose
+    with pytest.raises(RuntimeError, match="two tables"):
+        allocator.check_integrity()
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Any sequence of allocate / grow / free against a model of who holds how many tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        self.num_tokens: dict[str, int] = {}  # the model: tokens each owner's table covers
+
+    def _num_blocks_held(self) -> int:
+        return sum(self.allocator.blocks_for(n) for n in self.num_tokens.values())
+
+    @rule(owner=st.sampled_from("abcdefgh"), num_tokens=st.integers(1, 80))
+    def allocate(self, owner: str, num_tokens: int) -> None:
+        if owner in self.num_tokens:
+            return
+        fits = self._num_blocks_held() + self.allocator.blocks_for(num_tokens) <= NUM_BLOCKS
+        num_free = self.allocator.num_free
+        table = self.allocator.allocate(owner, num_tokens)
+        if not fits:
+            assert table is None and self.allocator.num_free == num_free
+            return
+        assert table is not None and len(table) == self.allocator.blocks_for(num_tokens)
+        self.num_tokens[owner] = num_tokens
+
+    @precondition(lambda self: bool(self.num_tokens))
+    @rule(data=st.data(), num_tokens=st.integers(0, 80))
+    def grow(self, data: st.DataObject, num_tokens: int) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.num_tokens)))
+        old_table = self.allocator.table(owner)
+        target = max(num_tokens, self.num_tokens[owner])
+        num_new = self.allocator.blocks_for(target) - len(old_table)
+        num_free = self.allocator.num_free
+        new_ids = self.allocator.grow(owner, num_tokens)
+        if num_new > num_free:
+            assert new_ids is None and self.allocator.table(owner) == old_table
+            assert self.allocator.num_free == num_free
+            return
+        assert new_ids is not None and len(new_ids) == num_new
+        assert self.allocator.table(owner) == old_table + new_ids
+        self.num_tokens[owner] = target
+
+    @precondition(lambda self: bool(self.num_tokens))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.num_tokens)))
+        assert self.allocator.free(owner) == self.allocator.blocks_for(self.num_tokens.pop(owner))
+        with pytest.raises(KeyError, match=owner):
+            self.allocator.free(owner)
+
+    @invariant()
+    def totals_match_the_model(self) -> None:
+        self.allocator.check_integrity()
+        assert self.allocator.num_used == self._num_blocks_held()
+        assert self.allocator.num_free + self.allocator.num_used == NUM_BLOCKS
+        assert sorted(self.allocator.owners) == sorted(self.num_tokens)
+
+    def teardown(self) -> None:
+        for owner in list(self.num_tokens):
+            self.allocator.free(owner)
+        assert self.allocator.num_free == NUM_BLOCKS and not self.allocator.owners
+        assert self.allocator.allocate("all", NUM_BLOCKS * BLOCK_SIZE) == list(
+            range(1, NUM_BLOCKS + 1)
+        )
+        self.allocator.check_integrity()
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
+test_allocator_state_machine = AllocatorMachine.TestCase
