@@ -1,1 +1,41 @@
-"""scheduler package."""
+"""Pure scheduling policy for AlignedServe: quad-tree, density-first search, batch-level
+scheduling and baseline policies. Imports no torch, no asyncio, reads no clock.
+"""
+
+from __future__ import annotations
+
+from scheduler.aligned import AlignedNoPrefetchPolicy, AlignedPolicy
+from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+from scheduler.continuous import (
+    ContinuousPlan,
+    ContinuousPolicy,
+    ContinuousScheduler,
+    ContinuousSeq,
+)
+from scheduler.dfs import anchored_search, density_first_search
+from scheduler.fcfs import FcfsPolicy
+from scheduler.policy import POLICIES, Policy, PolicyConfig, get_policy, register_policy
+from scheduler.quadtree import PooledRequest, QuadNode, QuadTree
+
+__all__ = [
+    "POLICIES",
+    "AlignedNoPrefetchPolicy",
+    "AlignedPolicy",
+    "BoundaryPlan",
+    "BoundaryView",
+    "ContinuousPlan",
+    "ContinuousPolicy",
+    "ContinuousScheduler",
+    "ContinuousSeq",
+    "FcfsPolicy",
+    "Policy",
+    "PolicyConfig",
+    "PooledRequest",
+    "QuadNode",
+    "QuadTree",
+    "SeqView",
+    "anchored_search",
+    "density_first_search",
+    "get_policy",
+    "register_policy",
+]

@@ -1,0 +1,167 @@
+"""Batch-level scheduling at a decode iteration boundary: views, plans and the shared rules.
+
+Policies choose an eviction order and an admission order; the block arithmetic and the
+anti-thrash rule live here once. Pure: no clock, no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ADMIT_LOOKAHEAD = 1  # extra tokens of growth an admission reserves beyond the next step
+
+
+@dataclass(frozen=True, slots=True)
+class SeqView:
+    """What a policy may know about a sequence."""
+
+    seq_id: str
+    length: int  # tokens whose KV exists after the next decode step (= num_tokens)
+    num_blocks: int  # blocks its KV holds now
+    arrival_time: float  # seconds, caller's clock
+    batch_id: int = -1  # candidate batch it was admitted with (-1: a single request)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryView:
+    """One decode instance at an iteration boundary (finished seqs already released)."""
+
+    running: tuple[SeqView, ...]
+    free_blocks: int  # decode KV blocks free now
+    block_size: int  # tokens per block
+    max_batch_size: int  # most seqs one iteration may run
+    candidate_requests: tuple[SeqView, ...]  # staged single requests (evicted / prefetched)
+    candidate_batch: tuple[SeqView, ...]  # the staged next batch (may be empty)
+    current_batch_id: int  # running seqs with another batch_id belong to the old batch
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size ({self.block_size}) must be >= 1")
+        if self.free_blocks < 0:
+            raise ValueError(f"free_blocks ({self.free_blocks}) must be >= 0")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size ({self.max_batch_size}) must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryPlan:
+    """What to move at this boundary; the engine applies evictions before admissions."""
+
+    evict: tuple[str, ...] = ()  # running -> candidate requests buffer (or pool if full)
+    admit_requests: tuple[str, ...] = ()  # candidate requests buffer -> running
+    admit_batch: tuple[str, ...] = ()  # candidate batch -> running
+
+
+def blocks_needed(seq: SeqView, block_size: int, num_lookahead: int = 0) -> int:
+    """Blocks a running seq must gain for the next step (+ ``num_lookahead`` more tokens)."""
+    return max(0, -(-(seq.length + num_lookahead) // block_size) - seq.num_blocks)
+
+
+def blocks_to_admit(seq: SeqView, block_size: int, num_lookahead: int = 0) -> int:
+    """Decode blocks a staged seq occupies once admitted, growth for the next step included."""
+    return max(seq.num_blocks, -(-(seq.length + num_lookahead) // block_size))
+
+
+def take_in_order(candidates: Iterable[tuple[str, int]], max_blocks: int,
+                  max_requests: int) -> list[str]:
+    """Ids of ``(seq_id, num_blocks)`` candidates, in order, while they fit both limits.
+
+    The first candidate that does not fit ends the selection (no overtaking).
+    """
+    chosen: list[str] = []
+    for seq_id, num_blocks in candidates:
+        if len(chosen) >= max_requests or num_blocks > max_blocks:
+            break
+        chosen.append(seq_id)
+        max_blocks -= num_blocks
+    return chosen
+
+
+def by_length_desc(seqs: Iterable[SeqView]) -> list[SeqView]:
+    """Longest first; among equal lengths the latest arrival first, then by id."""
+    return sorted(seqs, key=lambda s: (-s.length, -s.arrival_time, s.seq_id))
+
+
+def by_arrival(seqs: Iterable[SeqView]) -> list[SeqView]:
+    """Oldest first, then by id."""
+    return sorted(seqs, key=lambda s: (s.arrival_time, s.seq_id))
+
+
+def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:
+    """Closest length to ``reference`` first; ties: oldest first."""
+    return sorted(seqs, key=lambda s: (abs(s.length - reference), s.arrival_time, s.seq_id))
+
+
+def median_length(seqs: Sequence[SeqView]) -> float | None:
+    return statistics.median(s.length for s in seqs) if seqs else None
+
+
+def plan_evictions(view: BoundaryView, victims: Sequence[SeqView]) -> tuple[str, ...]:
+    """Evict from ``victims`` (in order) until the next step's growth fits ``free_blocks``.
+
+    Evicting a seq frees the blocks it holds and drops its growth. Returns () when the
+    step already fits.
+    """
+    shortfall = sum(blocks_needed(s, view.block_size) for s in view.running) - view.free_blocks
+    evicted: list[str] = []
+    for seq in victims:
+        if shortfall <= 0:
+            break
+        evicted.append(seq.seq_id)
+        shortfall -= seq.num_blocks + blocks_needed(seq, view.block_size)
+    return tuple(evicted)
+
+
+def admission_room(view: BoundaryView) -> tuple[int, int]:
+    """(blocks, slots) free for admissions once the running seqs' growth is reserved.
+
+    The reserve covers the next step and the one after (ADMIT_LOOKAHEAD), see
+    ``plan_boundary_with``.
+    """
+    growth = sum(blocks_needed(s, view.block_size, ADMIT_LOOKAHEAD) for s in view.running)
+    return view.free_blocks - growth, view.max_batch_size - len(view.running)
+
+
+def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
+                    is_strict: bool) -> BoundaryPlan:
+    """Admit candidate requests, then the candidate batch, in the given orders.
+
+    A seq is admitted only if it fits the remaining blocks with its growth (for the next
+    step and the one after) and a batch slot is free. ``is_strict`` (FCFS): the first seq
+    that does not fit stops all admission; otherwise it is skipped and smaller ones behind
+    it may still enter.
+    """
+    blocks_left, slots_left = admission_room(view)
+    admitted: tuple[list[str], list[str]] = ([], [])
+    for chosen, seqs in zip(admitted, (requests, batch)):
+        for seq in seqs:
+            if slots_left <= 0:
+                break
+            cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
+            if cost > blocks_left:
+                if is_strict:
+                    slots_left = 0
+                    break
+                continue
+            chosen.append(seq.seq_id)
+            blocks_left -= cost
+            slots_left -= 1
+    return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))
+
+
+def plan_boundary_with(view: BoundaryView, victims: Sequence[SeqView],
+                       requests: Sequence[SeqView], batch: Sequence[SeqView],
+                       is_strict: bool) -> BoundaryPlan:
+    """Evict if the step lacks room, otherwise admit: never both at one boundary.
+
+    NOTE: this is the anti-thrash rule. (1) A boundary that evicts admits nothing, so a
+    victim cannot re-enter in the same boundary. (2) Admissions reserve the growth of the
+    next two steps for every running and admitted seq, so the boundary right after an
+    admission never has to evict: a seq is not admitted only to be pushed out again.
+    """
+    evict = plan_evictions(view, victims)
+    if evict:
+        return BoundaryPlan(evict=evict)
+    return plan_admissions(view, requests, batch, is_strict)

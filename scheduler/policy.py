@@ -1,0 +1,125 @@
+"""Scheduling policy interface, its configuration, and the registry of policies by name.
+
+A policy owns the pool-side choice of the next batch and the decisions at each decode
+iteration boundary. Pure: time is passed in, nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs shared by the built-in policies."""
+
+    min_requests: int = 8  # DFS: smallest batch that saturates the device (requests)
+    leaf_width: int = 16  # quad-tree leaf range (tokens)
+    max_len: int = 65536  # quad-tree range (tokens)
+    starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
+    match_slack: float = 0.25  # dynamic prefetch window widening (fraction of length)
+
+    def __post_init__(self) -> None:
+        for name in ("min_requests", "leaf_width", "max_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} ({value}) must be >= 1")
+        threshold = self.starvation_threshold
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"starvation_threshold ({threshold}) must be >= 0 or None")
+        if self.match_slack < 0:
+            raise ValueError(f"match_slack ({self.match_slack}) must be >= 0")
+
+
+class Policy(ABC):
+    """A scheduling policy, chosen once at start-up by name (see ``get_policy``).
+
+    The engine tells the policy which requests enter and leave the host pool, asks it for
+    the next candidate batch, and asks it for a plan at every decode iteration boundary.
+    """
+
+    name: ClassVar[str]
+    uses_pool: ClassVar[bool] = True  # False: prefill and decode share a device, no pool
+    uses_staging: ClassVar[bool] = True  # False: KV goes host -> decode device directly
+    uses_dynamic_prefetch: ClassVar[bool] = False  # True: the engine should call matching()
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def add(self, seq: SeqView) -> None:
+        """A request entered the host pool. Raises ValueError if it is already there."""
+
+    @abstractmethod
+    def remove(self, seq_id: str) -> None:
+        """A request left the pool (prefetched, aborted). Raises KeyError if unknown."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of pooled requests."""
+
+    @abstractmethod
+    def __contains__(self, seq_id: object) -> bool:
+        """Whether ``seq_id`` is pooled."""
+
+    @abstractmethod
+    def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
+        """Choose the next candidate batch from the pool; does not remove it.
+
+        Args:
+            max_blocks: KV blocks the batch may hold (sum of the chosen num_blocks).
+            max_requests: requests the batch may hold.
+            now: current time in seconds, on the clock of the arrival times.
+        Returns:
+            Pooled seq ids; the engine calls ``remove`` for each one it takes.
+        """
+
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int) -> list[str]:
+        """Dynamic prefetch: pooled requests with ``lo <= length <= hi``; none by default."""
+        return []
+
+    def prefetch_window(self, lengths: Sequence[int]) -> tuple[int, int]:
+        """The ``(lo, hi)`` to pass to ``matching`` for a running batch of ``lengths``.
+
+        The batch's length range widened by ``match_slack`` on both sides.
+        """
+        if not lengths:
+            return 0, -1
+        slack = self.config.match_slack
+        return int(min(lengths) * (1.0 - slack)), int(max(lengths) * (1.0 + slack))
+
+    @abstractmethod
+    def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
+        """Decide evictions and admissions at one decode iteration boundary."""
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make ``cls`` available to ``get_policy`` under ``cls.name``.
+
+    Raises ValueError if the class has no name or the name is taken by another class.
+    """
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy class {cls.__qualname__} must set a non-empty `name`")
+    existing = POLICIES.get(name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"policy name {name!r} is already registered by "
+                         f"{existing.__qualname__}")
+    POLICIES[name] = cls
+    return cls
+
+
+def get_policy(name: str, config: PolicyConfig) -> Policy:
+    """Instantiate the policy registered as ``name``. Raises ValueError if unknown."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; known policies: {sorted(POLICIES)}")
+    return cls(config)

@@ -1,0 +1,150 @@
+"""Batch-level scheduling at iteration boundaries: victims, refill order, room, no thrash."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import BoundaryPlan, BoundaryView, PolicyConfig, SeqView, get_policy
+from scheduler.batching import blocks_needed, blocks_to_admit
+
+BLOCK_SIZE = 16  # tokens per block in every scenario here
+CURRENT = 2  # current_batch_id in every scenario here
+
+
+def seq(seq_id: str, length: int, num_blocks: int | None = None, arrival: float = 0.0,
+        batch_id: int = CURRENT) -> SeqView:
+    """A seq that, by default, needs one more block next step when length % 16 == 1."""
+    if num_blocks is None:
+        num_blocks = -(-(length - 1) // BLOCK_SIZE)
+    return SeqView(seq_id, length, num_blocks, arrival, batch_id)
+
+
+def view(running: list[SeqView], free_blocks: int, requests: tuple[SeqView, ...] = (),
+         batch: tuple[SeqView, ...] = (), max_batch_size: int = 64) -> BoundaryView:
+    return BoundaryView(tuple(running), free_blocks, BLOCK_SIZE, max_batch_size,
+                        requests, batch, CURRENT)
+
+
+def plan(policy_name: str, v: BoundaryView) -> BoundaryPlan:
+    return get_policy(policy_name, PolicyConfig()).plan_boundary(v)
+
+
+ALIGNED = ["aligned", "aligned-noprefetch"]
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_victim_is_the_longest_running_seq(name: str) -> None:
+    running = [seq("a", 33), seq("b", 65), seq("c", 49)]  # each needs 1 block
+    assert plan(name, view(running, free_blocks=2)) == BoundaryPlan(evict=("b",))
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_victim_is_the_longest_of_the_old_batch_while_switching(name: str) -> None:
+    running = [seq("old-a", 33, batch_id=1), seq("old-b", 49, batch_id=1), seq("new", 97)]
+    assert plan(name, view(running, free_blocks=1)).evict == ("old-b",)
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_evicts_until_the_step_fits_old_batch_first(name: str) -> None:
+    running = [seq("old", 17, batch_id=1), seq("n1", 33), seq("n2", 65), seq("n3", 49)]
+    # need 4, free 0: old frees 1+1, n2 (longest new) frees 4+1.
+    assert plan(name, view(running, free_blocks=0)).evict == ("old", "n2")
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_refills_from_candidate_requests_before_candidate_batch(name: str) -> None:
+    running = [seq("r", 20, 2)]  # no growth for two steps
+    got = plan(name, view(running, 3, requests=(seq("x", 20, 2),), batch=(seq("y", 20, 2),)))
+    assert got == BoundaryPlan(admit_requests=("x",))
+    got = plan(name, view(running, 4, requests=(seq("x", 20, 2),), batch=(seq("y", 20, 2),)))
+    assert got == BoundaryPlan(admit_requests=("x",), admit_batch=("y",))
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_candidate_requests_closest_to_the_current_batch_go_first(name: str) -> None:
+    running = [seq("old", 900, 57, batch_id=1), seq("r1", 100, 7), seq("r2", 110, 7)]
+    requests = (seq("far", 600, 38, arrival=0.0), seq("near", 120, 8, arrival=5.0))
+    assert plan(name, view(running, 8, requests=requests)).admit_requests == ("near",)
+
+
+def test_fcfs_refills_strictly_by_arrival() -> None:
+    requests = (seq("late", 20, 2, arrival=2.0), seq("early", 300, 19, arrival=1.0))
+    # "early" does not fit: strict FCFS admits nothing behind it, aligned skips it.
+    assert plan("fcfs", view([], 10, requests=requests)) == BoundaryPlan()
+    assert plan("aligned", view([], 10, requests=requests)).admit_requests == ("late",)
+
+
+def test_fcfs_evicts_the_most_recent_arrival() -> None:
+    running = [seq("first", 65, arrival=1.0), seq("last", 17, arrival=9.0),
+               seq("mid", 33, arrival=5.0)]
+    assert plan("fcfs", view(running, 2)).evict == ("last",)
+
+
+@pytest.mark.parametrize("name", [*ALIGNED, "fcfs"])
+@pytest.mark.parametrize("length", [33, 32])
+def test_admitted_seq_fits_with_its_growth(name: str, length: int) -> None:
+    # 2 blocks hold 32 tokens: length 33 needs a 3rd block next step, length 32 the step
+    # after; admission reserves both steps, so neither enters with only 2 free blocks.
+    candidate = seq("c", length, 2)
+    assert plan(name, view([], 2, requests=(candidate,))) == BoundaryPlan()
+    assert plan(name, view([], 3, requests=(candidate,))).admit_requests == ("c",)
+
+
+@pytest.mark.parametrize("name", [*ALIGNED, "fcfs"])
+def test_released_seq_frees_room_for_candidates(name: str) -> None:
+    running = [seq("a", 20, 2), seq("b", 20, 2)]
+    full = view(running, 0, requests=(seq("x", 20, 2),))
+    assert plan(name, full) == BoundaryPlan()
+    released = replace(full, running=(running[0],), free_blocks=2)  # "b" finished
+    assert plan(name, released) == BoundaryPlan(admit_requests=("x",))
+
+
+@pytest.mark.parametrize("name", [*ALIGNED, "fcfs"])
+def test_full_batch_admits_nothing(name: str) -> None:
+    got = plan(name, view([seq("a", 20, 2)], 100, requests=(seq("x", 20, 2),),
+                          max_batch_size=1))
+    assert got == BoundaryPlan()
+
+
+def _seqs(prefix: str, batch_id: int) -> st.SearchStrategy[list[SeqView]]:
+    one = st.tuples(st.integers(1, 200), st.integers(0, 1), st.floats(0, 50),
+                    st.sampled_from([batch_id, CURRENT]))
+    return st.lists(one, max_size=12).map(lambda xs: [
+        SeqView(f"{prefix}{i}", n, max(0, -(-n // BLOCK_SIZE) - extra), t, b)
+        for i, (n, extra, t, b) in enumerate(xs)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(running=_seqs("r", 1), requests=_seqs("q", -1), batch=_seqs("b", 3),
+       free_blocks=st.integers(0, 40), max_batch_size=st.integers(1, 20),
+       name=st.sampled_from([*ALIGNED, "fcfs"]))
+def test_plans_fit_and_never_thrash(running: list[SeqView], requests: list[SeqView],
+                                    batch: list[SeqView], free_blocks: int,
+                                    max_batch_size: int, name: str) -> None:
+    v = view(running, free_blocks, tuple(requests), tuple(batch), max_batch_size)
+    p = plan(name, v)
+    assert not (p.evict and (p.admit_requests or p.admit_batch)), "evict xor admit"
+    assert set(p.evict) <= {s.seq_id for s in running}
+    assert set(p.admit_requests) <= {s.seq_id for s in requests}
+    assert set(p.admit_batch) <= {s.seq_id for s in batch}
+    kept = [s for s in running if s.seq_id not in p.evict]
+    admitted = [s for s in requests + batch if s.seq_id in p.admit_requests + p.admit_batch]
+    freed = sum(s.num_blocks for s in running if s.seq_id in p.evict)
+    used = (sum(blocks_needed(s, BLOCK_SIZE) for s in kept)
+            + sum(blocks_to_admit(s, BLOCK_SIZE) for s in admitted))
+    growth = sum(blocks_needed(s, BLOCK_SIZE) for s in running)
+    if growth <= free_blocks:
+        assert used <= free_blocks and len(kept) + len(admitted) <= max(max_batch_size,
+                                                                          len(running))
+        if admitted:  # the very next boundary must not evict anyone
+            after = [SeqView(s.seq_id, s.length + 1, max(s.num_blocks, -(-s.length // 16)),
+                             s.arrival_time, s.batch_id) for s in kept + admitted]
+            nxt = replace(v, running=tuple(after), free_blocks=free_blocks - used,
+                          candidate_requests=(), candidate_batch=())
+            assert plan(name, nxt).evict == ()
+    else:
+        assert p.evict and used <= free_blocks + freed

@@ -1,0 +1,151 @@
+"""Pool-side policy behaviour: registry, FCFS order, starvation control, dynamic prefetch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from scheduler import (
+    POLICIES,
+    BoundaryPlan,
+    BoundaryView,
+    ContinuousPolicy,
+    Policy,
+    PolicyConfig,
+    SeqView,
+    get_policy,
+    register_policy,
+)
+
+LONG_LENGTH = 6000  # tokens
+LONG_BLOCKS = 375  # blocks of 16 tokens
+SHORT_BLOCKS = 7  # blocks of a ~100-token request
+NUM_SHORT_PER_TICK = 4
+
+
+def test_builtin_policies_are_registered_with_their_traits() -> None:
+    assert {"aligned", "aligned-noprefetch", "fcfs", "continuous"} <= set(POLICIES)
+    config = PolicyConfig()
+    assert get_policy("aligned", config).uses_dynamic_prefetch
+    assert not get_policy("aligned-noprefetch", config).uses_staging
+    assert not get_policy("continuous", config).uses_pool
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"'nope'.*aligned.*fcfs"):
+        get_policy("nope", PolicyConfig())
+
+
+def test_research_user_registers_a_policy_without_the_engine() -> None:
+    @register_policy
+    class Lifo(Policy):
+        name = "test-lifo"
+
+        def __init__(self, config: PolicyConfig) -> None:
+            super().__init__(config)
+            self.ids: list[str] = []
+
+        def add(self, seq: SeqView) -> None:
+            self.ids.append(seq.seq_id)
+
+        def remove(self, seq_id: str) -> None:
+            self.ids.remove(seq_id)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __contains__(self, seq_id: object) -> bool:
+            return seq_id in self.ids
+
+        def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
+            return self.ids[::-1][:max_requests]
+
+        def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
+            return BoundaryPlan()
+
+    try:
+        policy = get_policy("test-lifo", PolicyConfig())
+        policy.add(SeqView("a", 1, 1, 0.0))
+        policy.add(SeqView("b", 1, 1, 1.0))
+        assert policy.next_batch(10, 1, now=2.0) == ["b"]
+        with pytest.raises(ValueError, match="test-lifo"):
+            register_policy(type("Other", (Lifo,), {}))
+    finally:
+        del POLICIES["test-lifo"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("min_requests", 0), ("leaf_width", 0),
+                                              ("max_len", 0), ("starvation_threshold", -1.0),
+                                              ("match_slack", -0.1)])
+def test_bad_config_names_the_field_and_value(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"{field} \({value}\)"):
+        replace(PolicyConfig(), **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["aligned", "fcfs"])
+def test_pool_membership_and_errors(name: str) -> None:
+    policy = get_policy(name, PolicyConfig())
+    policy.add(SeqView("a", 10, 1, 0.0))
+    assert "a" in policy and len(policy) == 1
+    with pytest.raises(ValueError, match="'a'"):
+        policy.add(SeqView("a", 10, 1, 0.0))
+    policy.remove("a")
+    with pytest.raises(KeyError, match="'a'"):
+        policy.remove("a")
+    assert len(policy) == 0
+
+
+def test_fcfs_takes_oldest_first_and_stops_at_the_first_misfit() -> None:
+    policy = get_policy("fcfs", PolicyConfig())
+    for seq_id, blocks, arrival in [("c", 2, 3.0), ("a", 5, 1.0), ("b", 9, 2.0), ("d", 1, 4.0)]:
+        policy.add(SeqView(seq_id, blocks * 16, blocks, arrival))
+    assert policy.next_batch(max_blocks=20, max_requests=10, now=5.0) == ["a", "b", "c", "d"]
+    assert policy.next_batch(max_blocks=10, max_requests=10, now=5.0) == ["a"]
+    assert policy.next_batch(max_blocks=20, max_requests=2, now=5.0) == ["a", "b"]
+
+
+def _starvation_run(threshold: float | None, num_ticks: int) -> int | None:
+    """Feed shorts every tick; return the tick whose batch holds the long request."""
+    policy = get_policy("aligned", PolicyConfig(min_requests=NUM_SHORT_PER_TICK,
+                                                max_len=8192, starvation_threshold=threshold))
+    policy.add(SeqView("long", LONG_LENGTH, LONG_BLOCKS, arrival_time=0.0))
+    for tick in range(1, num_ticks + 1):
+        for i in range(NUM_SHORT_PER_TICK):
+            policy.add(SeqView(f"s{tick}-{i}", 100 + i, SHORT_BLOCKS, float(tick)))
+        batch = policy.next_batch(max_blocks=400, max_requests=64, now=float(tick))
+        assert batch, "the pool always holds something that fits"
+        for seq_id in batch:
+            policy.remove(seq_id)
+        if "long" in batch:
+            return tick
+    return None
+
+
+def test_starving_long_request_is_chosen_once_its_wait_passes_the_threshold() -> None:
+    assert _starvation_run(threshold=10.0, num_ticks=50) == 11
+
+
+def test_without_starvation_control_the_long_request_waits_indefinitely() -> None:
+    assert _starvation_run(threshold=None, num_ticks=500) is None
+
+
+def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
+    policy = get_policy("aligned", PolicyConfig())
+    for seq_id, length in [("x", 90), ("y", 105), ("z", 120), ("w", 200)]:
+        policy.add(SeqView(seq_id, length, 7, 0.0))
+    lo, hi = policy.prefetch_window([100, 110])
+    assert (lo, hi) == (75, 137)
+    assert policy.matching(lo, hi, max_blocks=100, max_requests=10) == ["x", "y", "z"]
+    assert policy.matching(lo, hi, max_blocks=14, max_requests=10) == ["x", "y"]
+    assert policy.matching(lo, hi, max_blocks=100, max_requests=1) == ["x"]
+    assert get_policy("aligned-noprefetch", PolicyConfig()).matching(0, 10**6, 100, 10) == []
+
+
+def test_continuous_policy_has_no_pool() -> None:
+    policy = get_policy("continuous", PolicyConfig())
+    assert isinstance(policy, ContinuousPolicy)
+    with pytest.raises(ValueError, match="no host pool"):
+        policy.add(SeqView("a", 1, 1, 0.0))
+    assert policy.next_batch(100, 10, now=0.0) == [] and len(policy) == 0
+    assert policy.make_scheduler(64, 8, 16).max_num_tokens == 64
