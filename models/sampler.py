@@ -1,0 +1,280 @@
+"""Token sampling from a batch of logits: greedy, temperature, top-k, top-p, per-row seeds.
+
+Takes plain values and tensors, never requests. Seeded rows draw only from their own
+generator, one draw per token, so their tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
+ALL_TOKENS = -1  # SamplingTensors.num_ranked: rank the whole vocab
+TOP_P_PREFILTER = 256  # tokens ranked first for rows with top-p but no top-k
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling settings for one batch of logits (built by the engine's runner).
+
+    `num_ranked` and `is_top_p_unbounded` are host-side summaries that let `sample` skip
+    or shrink the top-k/top-p filter without reading the tensors back; `from_lists` sets
+    them exactly, and the defaults are the safe (slow) choice.
+    """
+
+    temperatures: Tensor  # [num_seqs] float32, 0 = greedy
+    top_ps: Tensor  # [num_seqs] float32 in (0, 1]
+    top_ks: Tensor  # [num_seqs] long, 0 or -1 = off
+    generators: list[torch.Generator | None]  # per row; None = use the global RNG
+    is_all_greedy: bool  # fast path: a single argmax
+    num_ranked: int = ALL_TOKENS  # top tokens per row the filter ranks; 0 = no filter
+    is_top_p_unbounded: bool = True  # a row uses top-p without top-k: may rank the vocab
+
+    def __post_init__(self) -> None:
+        num_seqs = self.temperatures.shape[0]
+        for name in ("top_ps", "top_ks", "generators"):
+            if len(getattr(self, name)) != num_seqs:
+                raise ValueError(
+                    f"len({name}) ({len(getattr(self, name))}) must equal "
+                    f"len(temperatures) ({num_seqs})"
+                )
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperatures: Sequence[float],
+        top_ps: Sequence[float],
+        top_ks: Sequence[int],
+        seeds: Sequence[int | None],
+        device: torch.device | str,
+        step_offsets: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SamplingTensors:
+        """Validates per-row settings and builds the tensors on `device`.
+
+        Row i draws from `generators[i]` when given (the engine keeps one per request),
+        else from a generator seeded with `seeds[i]` -- mixed with `step_offsets[i]` (the
+        request's output tokens so far) when given, so a stateless runner still gets a
+        fresh, reproducible draw per token -- else from the global RNG. Greedy rows never
+        draw, so they carry no generator.
+
+        Raises:
+            ValueError: a list length differs or a value is out of range.
+        """
+        num_seqs = len(temperatures)
+        _check_lengths(num_seqs, top_ps=top_ps, top_ks=top_ks, seeds=seeds,
+                       step_offsets=step_offsets, generators=generators)
+        _check_values(temperatures, top_ps, top_ks, step_offsets)
+        is_greedy = [t < SAMPLING_EPS for t in temperatures]
+        row_generators = [
+            None if is_greedy[i] else _row_generator(
+                generators[i] if generators is not None else None, seeds[i],
+                step_offsets[i] if step_offsets is not None else None, device)
+            for i in range(num_seqs)
+        ]
+        sampled = [i for i in range(num_seqs) if not is_greedy[i]]
+        ks = [top_ks[i] for i in sampled if top_ks[i] > 0]
+        is_unbounded = any(top_ps[i] < 1 and top_ks[i] <= 0 for i in sampled)
+        num_ranked = max(ks + [TOP_P_PREFILTER if is_unbounded else 0], default=0)
+        return cls(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.long, device=device),
+            generators=row_generators,
+            is_all_greedy=all(is_greedy),
+            num_ranked=num_ranked,
+            is_top_p_unbounded=is_unbounded,
+        )
+
+
+class SampleResult(NamedTuple):
+    """Chosen tokens and their log-probabilities, one per row."""
+
+    token_ids: Tensor  # [num_seqs] long
+    logprobs: Tensor  # [num_seqs] float32, log_softmax of the raw logits at token_ids
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (any int; reduced modulo 2**64)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & _MASK64)
+    return generator
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A 64-bit seed for token `step` of a request seeded with `seed` (splitmix64 mix)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+def sample(logits: Tensor, st: SamplingTensors) -> SampleResult:
+    """Chooses one token per row of `logits` ([num_seqs, vocab_size]) under `st`.
+
+    Greedy rows take the argmax (ties -> lowest id). Other rows divide by their
+    temperature, keep their top-k then top-p tokens, and draw by inverse CDF with one
+    float64 uniform per row: seeded rows from their own generator, the rest in one
+    batched draw from the global RNG.
+    """
+    logits = logits.float()  # [num_seqs, vocab_size]
+    greedy_ids = logits.argmax(dim=-1)  # [num_seqs]
+    if st.is_all_greedy:
+        token_ids = greedy_ids
+    else:
+        probs = _filtered_probs(logits, st)  # [num_seqs, vocab_size]
+        sampled_ids = _inverse_cdf(probs, st.generators)  # [num_seqs]
+        token_ids = torch.where(st.temperatures < SAMPLING_EPS, greedy_ids, sampled_ids)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
+    return SampleResult(token_ids, chosen)
+
+
+def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Temperature-scaled probabilities with tokens outside top-k/top-p zeroed (unnormalised)."""
+    is_greedy = st.temperatures < SAMPLING_EPS  # [num_seqs]
+    temps = torch.where(is_greedy, 1.0, st.temperatures)  # [num_seqs]
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)  # [num_seqs, vocab_size]
+    if st.num_ranked == 0:
+        return probs
+    vocab_size = probs.shape[1]
+    width = vocab_size if st.num_ranked == ALL_TOKENS else min(st.num_ranked, vocab_size)
+    ranking = _rank(probs, st, width)
+    if st.is_top_p_unbounded and width < vocab_size:
+        if not bool((ranking.is_covered | is_greedy).all()):
+            ranking = _rank(probs, st, vocab_size)
+    cutoff = ranking.ranked.gather(1, (ranking.num_kept - 1).unsqueeze(1))  # [num_seqs, 1]
+    is_unfiltered = (st.top_ks <= 0) & (st.top_ps >= 1)  # [num_seqs]
+    cutoff = cutoff.masked_fill(is_unfiltered.unsqueeze(1), 0.0)
+    return probs.masked_fill(probs < cutoff, 0.0)
+
+
+class _Ranking(NamedTuple):
+    ranked: Tensor  # [num_seqs, width] the top `width` probabilities, descending
+    num_kept: Tensor  # [num_seqs] long, how many of them the row keeps (>= 1)
+    is_covered: Tensor  # [num_seqs] bool, the kept set is decided within `width`
+
+
+def _rank(probs: Tensor, st: SamplingTensors, width: int) -> _Ranking:
+    """Ranks the top `width` tokens per row and counts those top-k then top-p keep.
+
+    A row is covered when it uses top-k, has no top-p, or its ranked mass already reaches
+    top-p. The mass is a prefix sum over the ranked tokens, so a row keeps the same tokens
+    whatever `width` its batch needed.
+    """
+    if width >= probs.shape[1]:
+        ranked = probs.sort(dim=-1, descending=True).values  # [num_seqs, vocab_size]
+    else:
+        ranked = probs.topk(width, dim=-1).values  # [num_seqs, width]
+    has_top_k = st.top_ks > 0  # [num_seqs]
+    k = torch.where(has_top_k, st.top_ks.clamp(max=width), width)  # [num_seqs]
+    mass = ranked.cumsum(dim=-1)  # [num_seqs, width]
+    kept_mass = torch.where(has_top_k, mass.gather(1, (k - 1).unsqueeze(1)).squeeze(1), 1.0)
+    top_p = torch.where(st.top_ps < 1, st.top_ps, 2.0)  # [num_seqs]
+    positions = torch.arange(width, device=probs.device)  # [width]
+    is_kept = positions < k.unsqueeze(1)  # [num_seqs, width]
+    is_kept &= (mass - ranked) < (top_p * kept_mass).unsqueeze(1)
+    is_covered = has_top_k | (st.top_ps >= 1) | (mass[:, -1] >= top_p * kept_mass)
+    return _Ranking(ranked, is_kept.sum(dim=-1), is_covered)
+
+
+def _inverse_cdf(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row, drawn with probability proportional to `probs` ([num_seqs, V]).
+
+    NOTE: two levels give float64 precision at float32 cost (a float64 cumsum over the
+    vocab costs as much as the LM head on a CPU): pick a block of CDF_BLOCK tokens by the
+    CDF of block masses, then a token in it, reusing the uniform's fraction within the block.
+    """
+    vocab_size = probs.shape[1]
+    u = _uniforms(probs.shape[0], generators, probs.device)  # [num_seqs] in [0, 1)
+    block_ids, fraction = _search(_block_masses(probs), u)  # [num_seqs], [num_seqs]
+    offsets = torch.arange(CDF_BLOCK, device=probs.device)  # [CDF_BLOCK]
+    token_ids = block_ids.unsqueeze(1) * CDF_BLOCK + offsets  # [num_seqs, CDF_BLOCK]
+    inner = probs.gather(1, token_ids.clamp(max=vocab_size - 1))  # [num_seqs, CDF_BLOCK]
+    inner = inner.masked_fill(token_ids >= vocab_size, 0.0).double()
+    inner_ids, _ = _search(inner, fraction)  # [num_seqs]
+    return token_ids.gather(1, inner_ids.unsqueeze(1)).squeeze(1)
+
+
+def _uniforms(num_seqs: int, generators: list[torch.Generator | None],
+              device: torch.device) -> Tensor:
+    """One float64 uniform per row: seeded rows from their own generator, the rest batched."""
+    u = torch.rand(num_seqs, dtype=torch.float64, device=device)  # [num_seqs]
+    seeded_rows = [i for i, g in enumerate(generators) if g is not None]
+    if seeded_rows:
+        draws = [torch.rand(1, dtype=torch.float64, device=device, generator=g)
+                 for g in generators if g is not None]
+        rows = torch.tensor(seeded_rows, device=device)  # [num_seeded]
+        u[rows] = torch.cat(draws)  # [num_seeded]
+    return u
+
+
+def _block_masses(probs: Tensor) -> Tensor:
+    """[num_seqs, ceil(V / CDF_BLOCK)] float64: the mass of each block of CDF_BLOCK tokens."""
+    num_full = probs.shape[1] // CDF_BLOCK
+    full = probs[:, :num_full * CDF_BLOCK].unflatten(1, (num_full, CDF_BLOCK))
+    masses = full.sum(dim=-1)  # [num_seqs, num_full]
+    if probs.shape[1] % CDF_BLOCK:
+        tail = probs[:, num_full * CDF_BLOCK:].sum(dim=-1, keepdim=True)  # [num_seqs, 1]
+        masses = torch.cat([masses, tail], dim=1)
+    return masses.double()
+
+
+def _search(mass: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse CDF over `mass` ([num_seqs, m] float64, each row > 0) at `u` ([num_seqs]).
+
+    Returns the chosen column (never one of zero mass) and where `u` fell inside it, as a
+    fraction in [0, 1) that is itself uniform, for a second level of search.
+    """
+    cdf = mass.cumsum(dim=-1)  # [num_seqs, m]
+    total = cdf[:, -1:]  # [num_seqs, 1]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    ids = torch.searchsorted(cdf, target, right=True)  # [num_seqs, 1]
+    before = torch.where(ids > 0, cdf.gather(1, (ids - 1).clamp(min=0)), 0.0)  # [num_seqs, 1]
+    fraction = (target - before) / mass.gather(1, ids)  # [num_seqs, 1]
+    return ids.squeeze(1), fraction.squeeze(1).clamp(0.0, 1.0)
+
+
+def _row_generator(given: torch.Generator | None, seed: int | None, step: int | None,
+                   device: torch.device | str) -> torch.Generator | None:
+    if given is not None or seed is None:
+        return given
+    return make_generator(seed if step is None else step_seed(seed, step), device)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _check_lengths(num_seqs: int, **lists: Sequence[object] | None) -> None:
+    for name, values in lists.items():
+        if values is not None and len(values) != num_seqs:
+            raise ValueError(
+                f"len({name}) ({len(values)}) must equal len(temperatures) ({num_seqs})"
+            )
+
+
+def _check_values(
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    top_ks: Sequence[int],
+    step_offsets: Sequence[int] | None,
+) -> None:
+    for i, (t, p, k) in enumerate(zip(temperatures, top_ps, top_ks)):
+        if not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperatures[{i}] ({t}) must be a finite number >= 0")
+        if not 0 < p <= 1:
+            raise ValueError(f"top_ps[{i}] ({p}) must be in (0, 1]")
+        if k < -1:
+            raise ValueError(f"top_ks[{i}] ({k}) must be -1 or 0 (off) or >= 1")
+    for i, step in enumerate(step_offsets or ()):
+        if step < 0:
+            raise ValueError(f"step_offsets[{i}] ({step}) must be >= 0")
