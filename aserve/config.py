@@ -229,3 +229,22 @@ def _split(value: str) -> Sequence[str]:
 def environ() -> Mapping[str, str]:
     """The process environment; the only read of os.environ in the package."""
     return os.environ
+
+
+def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Adds the HTTP server options; each defaults to its ASERVE_* variable."""
+    s = ServerConfig()
+    parser.add_argument("--host", default=_env_default("host", s.host, env))
+    parser.add_argument("--port", type=int, default=_env_default("port", s.port, env))
+    parser.add_argument("--api-key", default=_env_default("api_key", None, env))
+    parser.add_argument("--served-model-name", default=_env_default("served_model_name", None,
+                                                                    env))
+    parser.add_argument("--max-body-bytes", type=int,
+                        default=_env_default("max_body_bytes", s.max_body_bytes, env))
+
+
+def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
+    """The ServerConfig the parsed CLI arguments describe."""
+    return ServerConfig(host=args.host, port=int(args.port), api_key=args.api_key or None,
+                        served_model_name=args.served_model_name,
+                        max_body_bytes=int(args.max_body_bytes))

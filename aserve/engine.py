@@ -137,11 +137,12 @@ class Engine:
                      request_id: str | None = None) -> Request:
         """Tokenizes and validates a request; raises ValueError naming the bad field."""
         ctx = self._context
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else prompt
         if not ids:
             raise ValueError("prompt must not be empty")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size),
                    None)
+        ids = list(ids)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
@@ -214,6 +215,7 @@ class Engine:
                     reason = out.finish_reason if finished else None
                     if finished:
                         detok.finish()
+                        reason = "stop" if detok.stopped else reason
                     yield _output(seq, detok, reason, out.error)
         finally:
             if not finished:

@@ -1,0 +1,258 @@
+"""The OpenAI completions wire format as msgspec types: request validation, responses, errors.
+
+The same Struct validates a body and names the offending field in the 400; it also generates
+/openapi.json. No aiohttp and no engine here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+from msgspec import Meta
+
+from aserve.core import RequestOutput, SamplingParams
+
+MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
+PromptItem = str | int | list[int]  # an element of a prompt list: a token id or a batch entry
+Prompt = str | list[int]  # one prompt after normalisation
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """`stream_options`: extra streaming behaviour."""
+
+    include_usage: bool = False  # send a last chunk with `usage` and no choices
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The body of `POST /v1/completions` (OpenAI legacy completions, plus vLLM extras)."""
+
+    model: str  # the served model name, see GET /v1/models
+    prompt: str | list[PromptItem]  # text, token ids, or a list of either (a batch)
+    max_tokens: Annotated[int, Meta(ge=1)] = 16  # tokens to generate per prompt
+    temperature: Annotated[float, Meta(ge=0)] = 1.0  # 0 means greedy
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0  # nucleus probability mass
+    top_k: Annotated[int, Meta(ge=-1)] = -1  # -1 or 0: off
+    seed: int | None = None  # same seed, same tokens
+    stop: str | list[str] | None = None  # up to 4 strings that end generation (not returned)
+    ignore_eos: bool = False  # keep generating past EOS
+    min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop strings ignored before this
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # chosen-token logprobs
+    echo: bool = False  # unsupported: true is rejected
+    stream: bool = False  # server-sent events, ending with `data: [DONE]`
+    stream_options: StreamOptions | None = None  # only with stream=true
+    n: int = 1  # completions per prompt; only 1 is supported
+    best_of: int | None = None  # only 1 (or null) is supported
+    suffix: str | None = None  # unsupported: must be null
+    presence_penalty: float = 0.0  # unsupported: must be 0
+    frequency_penalty: float = 0.0  # unsupported: must be 0
+    user: str | None = None  # accepted and ignored
+
+
+class Logprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's completions `logprobs` object (chosen tokens only: `top_logprobs` is null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class Choice(msgspec.Struct, kw_only=True):
+    """One completion (`index` is the prompt's position in a batch)."""
+
+    text: str
+    index: int
+    logprobs: Logprobs | None
+    finish_reason: str | None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Token counts of a whole request (all prompts of a batch)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A completion response, or one server-sent chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """The inside of OpenAI's error envelope."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's error envelope: `{"error": {...}}`."""
+
+    error: ErrorBody
+
+
+class RequestError(ValueError):
+    """Bad client input with the HTTP status and the field it concerns."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def decode_request(body: bytes) -> CompletionRequest:
+    """Parses and validates a JSON body; raises RequestError naming the bad field."""
+    try:
+        req = msgspec.json.decode(body, type=CompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"invalid request: {exc}", param=param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}", param="body") from exc
+    check_supported(req)
+    return req
+
+
+def check_supported(req: CompletionRequest) -> None:
+    """Rejects fields we parse but do not implement, rather than ignoring them."""
+    unsupported = [
+        ("n", req.n != 1, f"n ({req.n}) must be 1: one completion per prompt is supported"),
+        ("best_of", req.best_of not in (None, 1), f"best_of ({req.best_of}) must be 1 or null"),
+        ("echo", req.echo, "echo is not supported; send echo=false"),
+        ("suffix", req.suffix is not None, "suffix is not supported"),
+        ("presence_penalty", req.presence_penalty != 0, "presence_penalty must be 0"),
+        ("frequency_penalty", req.frequency_penalty != 0, "frequency_penalty must be 0"),
+        ("stream_options", req.stream_options is not None and not req.stream,
+         "stream_options is only allowed with stream=true"),
+    ]
+    for param, is_bad, message in unsupported:
+        if is_bad:
+            raise RequestError(message, param=param)
+
+
+def param_of(message: str) -> str | None:
+    """The top-level field a msgspec error path (`... - at `$.field[0]``) points at."""
+    match = _PATH.search(message)
+    return (match.group(1) or match.group(2)) if match else None
+
+
+def prompts_of(req: CompletionRequest) -> list[Prompt]:
+    """The request's prompts: a text, a token-id list, or a batch of either."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        prompts: list[Prompt] = [prompt]  # type: ignore[list-item]
+    elif any(isinstance(p, int) for p in prompt):
+        raise RequestError("prompt mixes token ids with strings or lists; send either a list "
+                           "of token ids or a list of prompts", param="prompt")
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    for i, p in enumerate(prompts):
+        if not p:
+            where = f" (prompt {i} of the batch)" if len(prompts) > 1 else ""
+            raise RequestError(f"prompt must not be empty{where}", param="prompt")
+    return prompts
+
+
+def sampling_params(req: CompletionRequest) -> SamplingParams:
+    """The engine's SamplingParams for a request; raises RequestError on bad values."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=req.max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
+            top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
+            ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None)
+    except ValueError as exc:
+        raise RequestError(str(exc), param=_leading_field(str(exc))) from exc
+
+
+def _leading_field(message: str) -> str | None:
+    head = message.split(" ", 1)[0]
+    return head if head in CompletionRequest.__struct_fields__ else None
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Wall-clock seconds for `created`."""
+    return int(time.time())
+
+
+def error_json(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> bytes:
+    return msgspec.json.encode(ErrorResponse(error=ErrorBody(
+        message=message, type=type_, param=param, code=code)))
+
+
+def openapi_document(title: str, version: str) -> dict[str, object]:
+    """An OpenAPI 3.1 description of the routes, with schemas generated from the Structs."""
+    (req_ref, resp_ref, err_ref), components = msgspec.json.schema_components(
+        [CompletionRequest, Completion, ErrorResponse], ref_template="#/components/schemas/{name}")
+    errors = {str(s): {"description": d, "content": {"application/json": {"schema": err_ref}}}
+              for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
+                           (404, "unknown model"), (413, "body too large"),
+                           (503, "overloaded"))}
+    completions = {"post": {
+        "summary": "Create a completion (stream=true: server-sent events of Completion chunks)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": req_ref}}},
+        "responses": {"200": {"description": "the completion", "content": {
+            "application/json": {"schema": resp_ref},
+            "text/event-stream": {"schema": {"type": "string"}}}}, **errors}}}
+    plain = {"get": {"responses": {"200": {"description": "OK"}}}}
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version},
+            "paths": {"/v1/completions": completions, "/v1/models": plain, "/health": plain,
+                      "/metrics": plain},
+            "components": {"schemas": components}}
+
+
+class TokenDecoder(Protocol):
+    """What ChoiceBuilder needs of a tokenizer."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ChoiceBuilder:
+    """Turns one prompt's cumulative outputs into choice deltas: called once with the final
+    output it gives the whole choice, called per output it gives the streamed chunks, and
+    the chunks concatenate to the whole choice."""
+
+    def __init__(self, index: int, tokenizer: TokenDecoder, has_logprobs: bool) -> None:
+        self.index = index
+        self.tokenizer = tokenizer
+        self.has_logprobs = has_logprobs
+        self.num_chars = 0  # text already sent
+        self.num_tokens = 0  # tokens whose logprobs were already sent
+        self.text_offset = 0  # characters of the token strings already sent
+
+    def delta(self, out: RequestOutput) -> Choice:
+        text = out.text[self.num_chars:]
+        self.num_chars = max(self.num_chars, len(out.text))
+        logprobs = self._logprobs(out) if self.has_logprobs else None
+        return Choice(text=text, index=self.index, logprobs=logprobs,
+                      finish_reason=out.finish_reason)
+
+    def _logprobs(self, out: RequestOutput) -> Logprobs:
+        token_ids = out.token_ids[self.num_tokens:]
+        token_logprobs = list((out.logprobs or [])[self.num_tokens:])
+        tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        self.num_tokens = len(out.token_ids)
+        return Logprobs(tokens=tokens, token_logprobs=token_logprobs, text_offset=offsets)

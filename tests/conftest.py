@@ -1,0 +1,50 @@
+"""Shared factories: a real HF-format OPT checkpoint written by transformers, and configs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+               num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
+               do_layer_norm_before=True)
+
+
+def write_hf_checkpoint(path: Path, dtype: str = "float32", seed: int = 0,
+                        **overrides: object) -> Path:
+    """Saves a random `transformers` OPT to `path` (config.json + model.safetensors)."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    config = OPTConfig(**{**TINY_HF, **overrides})
+    model = OPTForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-hf"))
+
+
+def make_config(model: str = "opt-tiny", **kwargs: object):  # type: ignore[no-untyped-def]
+    """An EngineConfig for tests: small caches, flat keyword overrides."""
+    from aserve.config import EngineConfig
+
+    defaults: dict[str, object] = dict(model=model, dtype="float32", block_size=16,
+                                       num_decode_blocks=256, num_prefill_blocks=256,
+                                       num_staging_blocks=256, host_pool_gb=0.05,
+                                       max_prefill_tokens=1024, min_requests=4)
+    defaults.update(kwargs)
+    return EngineConfig.create(**defaults)
+
+
+def make_prompts(n: int, min_len: int, max_len: int, vocab_size: int,
+                 seed: int = 0) -> list[list[int]]:
+    """`n` random token-id prompts with lengths in [min_len, max_len], avoiding ids 0..3."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(n)]
