@@ -8,13 +8,15 @@ import torch
 from models.sampler import SamplingTensors, make_generator, sample
 
 CPU = torch.device("cpu")
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 CHI2_DF7_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
 
 
 def _settings(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-              seed: int | None = None, step: int = 0) -> SamplingTensors:
+              seed: int | None = None, step: int = 0, device: str = "cpu") -> SamplingTensors:
     return SamplingTensors.from_lists(
-        [temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, CPU, step_offsets=[step] * n
+        [temperature] * n, [top_p] * n, [top_k] * n, [seed] * n, device, step_offsets=[step] * n
     )
 
 
@@ -52,17 +54,18 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(setting: dict[str, float]) -> Non
     assert result.token_ids.tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_seeded", [False, True])
-def test_temperature_sampling_matches_softmax(is_seeded: bool) -> None:
+def test_temperature_sampling_matches_softmax(is_seeded: bool, device: str) -> None:
     torch.manual_seed(3)
-    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2])  # [vocab_size]
-    expected = torch.softmax(row / 0.7, dim=-1)  # [vocab_size]
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2], device=device)  # [vocab]
+    expected = torch.softmax(row / 0.7, dim=-1).cpu()  # [vocab_size]
     if is_seeded:  # one request drawing token after token from its own seed
-        steps = [_settings(1, 0.7, seed=1234, step=s) for s in range(3000)]
+        steps = [_settings(1, 0.7, seed=1234, step=s, device=device) for s in range(3000)]
         token_ids = torch.cat([sample(row.unsqueeze(0), st).token_ids for st in steps])
     else:
-        token_ids = sample(row.expand(20000, -1), _settings(20000, 0.7)).token_ids
-    assert _chi_square(token_ids, expected) < CHI2_DF7_P001
+        token_ids = sample(row.expand(20000, -1), _settings(20000, 0.7, device=device)).token_ids
+    assert _chi_square(token_ids.cpu(), expected) < CHI2_DF7_P001
 
 
 def test_top_k_never_yields_a_token_outside_the_top_k() -> None:
@@ -109,21 +112,23 @@ def _seeded_row_in_batch(row: torch.Tensor, neighbours: torch.Tensor, position: 
             (0.6, 1.0, 40, 17), (1.0, 0.9, 0, 99), (0.8, 1.0, -1, None)][:n - 1]
     rows.insert(position, (0.8, 0.9, -1, 42))
     st = SamplingTensors.from_lists([r[0] for r in rows], [r[1] for r in rows],
-                                    [r[2] for r in rows], [r[3] for r in rows], CPU,
+                                    [r[2] for r in rows], [r[3] for r in rows], row.device,
                                     step_offsets=[step] * n)
     return int(sample(logits, st).token_ids[position])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("num_neighbours", "position"), [(0, 0), (1, 1), (3, 0), (6, 4),
                                                          (7, 7)])
 def test_seeded_row_is_independent_of_batch_size_position_and_neighbours(
-        num_neighbours: int, position: int) -> None:
+        num_neighbours: int, position: int, device: str) -> None:
     vocab_size = 3000
     torch.manual_seed(8)
-    row = torch.randn(vocab_size) * 3  # [vocab_size] peaked: nucleus within the prefilter
-    alone = [_seeded_row_in_batch(row, torch.empty(0, vocab_size), 0, s) for s in range(12)]
+    row = (torch.randn(vocab_size) * 3).to(device)  # [vocab_size] peaked: nucleus prefiltered
+    empty = torch.empty(0, vocab_size, device=device)
+    alone = [_seeded_row_in_batch(row, empty, 0, s) for s in range(12)]
     torch.manual_seed(100 + num_neighbours)  # flat neighbours force a whole-vocab sort
-    neighbours = torch.randn(num_neighbours, vocab_size) * 0.05  # [num_neighbours, vocab]
+    neighbours = (torch.randn(num_neighbours, vocab_size) * 0.05).to(device)  # [n, vocab]
     in_batch = [_seeded_row_in_batch(row, neighbours, position, s) for s in range(12)]
     assert in_batch == alone
     assert len(set(alone)) > 3  # steps draw fresh tokens
