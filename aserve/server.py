@@ -46,7 +46,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENGINE = web.AppKey("engine", Engine)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 METRICS = web.AppKey("metrics", ServerMetrics)
-MODEL_NAMES = web.AppKey("model_names", tuple[str, ...])
+MODEL_NAMES: web.AppKey[tuple[str, ...]] = web.AppKey("model_names")
 
 
 class BatchRun:
@@ -115,7 +115,7 @@ class BatchRun:
                                              0 if out is None else len(out.token_ids))
 
 
-RUNS = web.AppKey("runs", set[BatchRun])  # in flight, aborted on shutdown
+RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig,
@@ -155,7 +155,8 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 
 def abort_all(app: web.Application) -> None:
     """Aborts every request in flight; their streams end with finish_reason "abort"."""
-    for run in list(app[RUNS]):
+    runs: set[BatchRun] = app[RUNS]
+    for run in list(runs):
         run.abort()
 
 
@@ -186,6 +187,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
                                code=exc.reason.lower().replace(" ", "_"))
     except EngineError as exc:
         return _error_response(503, str(exc), code="engine_unavailable")
+    except ConnectionResetError:  # the client left; completions() aborted its requests
+        raise
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(500, "internal server error", code="internal_error")
@@ -198,8 +201,8 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     if key is None or request.path == "/health":
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             key.encode()):
+    given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
         raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
                            param="Authorization", status=401, code="invalid_api_key")
     return await handler(request)
@@ -210,9 +213,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`: validate everything, submit, then stream or collect."""
     app = request.app
     req = decode_request(await request.read())
-    if req.model not in app[MODEL_NAMES]:
-        raise RequestError(f"model {req.model!r} does not exist; served: "
-                           f"{', '.join(app[MODEL_NAMES])}", "model", 404, "model_not_found")
+    names: tuple[str, ...] = app[MODEL_NAMES]
+    if req.model not in names:
+        raise RequestError(f"model {req.model!r} does not exist; served: {', '.join(names)}",
+                           "model", 404, "model_not_found")
     cmpl_id = completion_id()
     requests = _admit(app[ENGINE], req, cmpl_id)
     run = BatchRun(app[ENGINE], requests, app[METRICS])
