@@ -55,7 +55,9 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Logprobs(msgspec.Struct, kw_only=True):
-    """OpenAI's completions `logprobs` object (chosen tokens only: `top_logprobs` is null)."""
+    """OpenAI's completions `logprobs` object. Only the chosen tokens' logprobs are known,
+    so `top_logprobs` is null; `text_offset` counts characters of the completion text (echo
+    is unsupported), as the running sum of the decoded token strings."""
 
     tokens: list[str]
     token_logprobs: list[float]
