@@ -1,0 +1,356 @@
+"""Attention over the paged KV cache: metadata, KV writes, `paged` and `padded` backends.
+
+Owns only tensor math. The KV cache tensor itself is owned by transport/ and passed in:
+`kv_cache: [num_blocks, num_layers, 2, block_size, num_heads, head_dim]` (block-major).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKEND_NAMES = ("paged", "padded")
+
+# NOTE: the paged decode builds a CSR pattern per layer; silence torch's one-time beta notice.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Describes one forward over a packed batch of sequences (no padding of tokens).
+
+    Each sequence i contributes query_lens[i] new tokens (1 for decode; the whole or a
+    chunk of the prompt for prefill), attending to seq_lens[i] KV entries in total (its
+    cached prefix plus the new tokens, causal):
+
+        positions 0 .............. seq_len - query_len ........... seq_len - 1
+                  |<-- cached prefix -->|<------ new tokens (queries) ------>|
+    """
+
+    slot_mapping: Tensor  # [num_tokens] long: where each new token's K/V is written
+    query_start_loc: Tensor  # [num_seqs + 1] long, cumulative query lengths
+    seq_lens: Tensor  # [num_seqs] long, KV length after this step
+    block_tables: Tensor  # [num_seqs, max_blocks_per_seq] long, padded with 0
+    query_lens_list: list[int]  # python copies, for CPU loops without .tolist() syncs
+    seq_lens_list: list[int]
+    block_size: int  # tokens per KV block
+    # NOTE: per-forward scratch (index tensors shared by all layers); not part of equality.
+    workspace: dict[str, DecodeIndex] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence has exactly one new token."""
+        return all(n == 1 for n in self.query_lens_list)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Builds the tensors of one forward; raises ValueError on inconsistent input."""
+        _validate(query_lens, seq_lens, block_tables, block_size)
+        slots = [
+            table[pos // block_size] * block_size + pos % block_size
+            for q_len, s_len, table in zip(query_lens, seq_lens, block_tables)
+            for pos in range(s_len - q_len, s_len)
+        ]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        width = max(len(t) for t in block_tables)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+
+        def as_long(values: list[int] | list[list[int]]) -> Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            slot_mapping=as_long(slots),
+            query_start_loc=as_long(starts),
+            seq_lens=as_long(seq_lens),
+            block_tables=as_long(padded),
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            block_size=block_size,
+        )
+
+
+def _validate(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size ({block_size}) must be >= 1")
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not seq_lens:
+        raise ValueError(
+            f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
+            f"({len(block_tables)}) must have the same non-zero length"
+        )
+    for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if not 1 <= q_len <= s_len:
+            raise ValueError(f"seq {i}: query_len ({q_len}) must be in 1..seq_len ({s_len})")
+        if len(table) * block_size < s_len:
+            raise ValueError(
+                f"seq {i}: block table holds {len(table)} blocks x {block_size} tokens, "
+                f"fewer than seq_len ({s_len})"
+            )
+
+
+def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Writes the new tokens' K and V (`[num_tokens, num_heads, head_dim]`) of one layer.
+
+    The per-layer view of the block-major cache is not contiguous, so rows are addressed in
+    the flat `[num_blocks * num_layers * 2 * block_size, num_heads, head_dim]` view.
+    """
+    _, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
+    rows = kv_cache.view(-1, num_heads, head_dim)  # [num_rows, num_heads, head_dim]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")  # [num_tokens]
+    k_rows = block_ids * (num_layers * 2 * block_size) + (slot_mapping - block_ids * block_size)
+    k_rows += layer * 2 * block_size  # [num_tokens]
+    rows.index_copy_(0, k_rows, k)
+    rows.index_copy_(0, k_rows + block_size, v)
+
+
+class AttentionBackend(ABC):
+    """One attention implementation, chosen once by name (`get_backend`).
+
+    The prefill path is shared; backends differ in how single-token queries read the cache.
+    """
+
+    name = ""
+
+    def forward(
+        self,
+        q: Tensor,
+        kv_cache: Tensor,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        k: Tensor | None = None,
+        v: Tensor | None = None,
+    ) -> Tensor:
+        """Attends the new tokens' queries over their sequences' KV in the cache.
+
+        Args:
+            q: `[num_tokens, num_heads, head_dim]` queries of the new tokens.
+            kv_cache: the block-major cache, already holding this step's K/V (`write_kv`).
+            layer: which layer of the cache to read.
+            meta: the batch description.
+            scale: softmax scale (usually head_dim ** -0.5).
+            k, v: optional fresh `[num_tokens, num_heads, head_dim]` K/V of the new tokens;
+                sequences without a cached prefix then attend over them with no gather.
+        Returns:
+            `[num_tokens, num_heads, head_dim]` attention output.
+        """
+        if meta.is_decode:
+            return self._decode(q, kv_cache, layer, _index(meta, kv_cache, None), scale)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
+        decode_seqs: list[int] = []
+        start = 0
+        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if q_len == 1 and s_len > 1:
+                decode_seqs.append(i)
+            else:
+                rows = slice(start, start + q_len)
+                fresh = None if k is None or v is None or q_len != s_len else (k[rows], v[rows])
+                out[rows] = _prefill_one(q[rows], kv_cache, layer, meta, i, scale, fresh)
+            start += q_len
+        if decode_seqs:
+            # NOTE: a mixed batch runs its single-token sequences through the decode kernel.
+            index = _index(meta, kv_cache, decode_seqs)
+            rows_t = meta.query_start_loc[:-1].index_select(0, index.seq_ids)  # [num_decode]
+            out.index_copy_(0, rows_t, self._decode(q[rows_t], kv_cache, layer, index, scale))
+        return out
+
+    @abstractmethod
+    def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                scale: float) -> Tensor:
+        """`[num_seqs, heads, dim]` attention of one query per sequence of `index`."""
+
+
+class PagedBackend(AttentionBackend):
+    """Decode without padding: one sampled pass over exactly the KV each sequence has."""
+
+    name = "paged"
+
+    def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                scale: float) -> Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        k_rows, v_rows = _layer_rows(kv_cache, layer)  # [num_rows, head_dim] each
+        q_rows = (q * scale).reshape(num_seqs * num_heads, head_dim)  # [segs, head_dim]
+        scores = _sample_scores(q_rows, k_rows, index)  # [nnz]
+        p = _segment_softmax(scores, index).to(v_rows.dtype)  # [nnz]
+        out = F.embedding_bag(index.cols, v_rows, index.crow[:-1], mode="sum",
+                              per_sample_weights=p)  # [segs, head_dim]
+        return out.view(num_seqs, num_heads, head_dim)
+
+
+class PaddedBackend(AttentionBackend):
+    """Decode padded to the longest sequence of the batch (the static-batch bubble)."""
+
+    name = "padded"
+
+    def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                scale: float) -> Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        block_size = kv_cache.shape[3]
+        num_blocks = math.ceil(index.max_seq_len / block_size)
+        tables = index.block_tables[:, :num_blocks]  # [num_seqs, num_blocks]
+        max_len = num_blocks * block_size
+        k = kv_cache[:, layer, 0][tables].view(num_seqs, max_len, num_heads, head_dim)
+        v = kv_cache[:, layer, 1][tables].view(num_seqs, max_len, num_heads, head_dim)
+        scores = torch.einsum("nhd,nshd->nhs", q * scale, k)  # [num_seqs, heads, max_len]
+        pad = torch.arange(max_len, device=q.device) >= index.seq_lens[:, None]  # [n, max_len]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        p = scores.softmax(-1).to(v.dtype)  # [num_seqs, heads, max_len]
+        return torch.einsum("nhs,nshd->nhd", p, v)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """Returns the backend called `name`; raises ValueError listing the valid names."""
+    if name == "paged":
+        return PagedBackend()
+    if name == "padded":
+        return PaddedBackend()
+    raise ValueError(f"attention backend {name!r} is unknown; valid: {', '.join(BACKEND_NAMES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeIndex:
+    """Where every (sequence, head, kv position) of a decode batch lives, for all layers.
+
+    Entries are ordered by segment (sequence, head), then position: `crow` points at each
+    segment's first entry (CSR rows), `cols` is the entry's row in the layer-0 K view of
+    `_layer_rows` (a layer only moves the base of that view).
+    """
+
+    seq_ids: Tensor  # [num_seqs] long: which sequences of the metadata
+    seq_lens: Tensor  # [num_seqs] long
+    block_tables: Tensor  # [num_seqs, max_blocks_per_seq] long
+    max_seq_len: int
+    cols: Tensor  # [nnz] long, nnz = sum(seq_lens) * num_heads
+    crow: Tensor  # [num_seqs * num_heads + 1] long
+    seg: Tensor  # [nnz] long, segment of each entry
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None
+              ) -> DecodeIndex:
+        _, num_layers, _, block_size, num_heads, _ = kv_cache.shape
+        device = kv_cache.device
+        lens = meta.seq_lens_list if seq_ids is None else [meta.seq_lens_list[i] for i in seq_ids]
+        ids = torch.arange(meta.num_seqs, device=device) if seq_ids is None else torch.tensor(
+            seq_ids, dtype=torch.long, device=device)  # [num_seqs]
+        tables = meta.block_tables if seq_ids is None else meta.block_tables[ids]
+        seq_lens = meta.seq_lens if seq_ids is None else meta.seq_lens[ids]  # [num_seqs]
+        seg_lens = seq_lens.repeat_interleave(num_heads)  # [segs]
+        crow = F.pad(seg_lens.cumsum(0), (1, 0))  # [segs + 1]
+        nnz = sum(lens) * num_heads
+        seg = torch.repeat_interleave(
+            torch.arange(seg_lens.shape[0], device=device), seg_lens, output_size=nnz)  # [nnz]
+        pos = torch.arange(nnz, device=device) - crow[seg]  # [nnz] kv position in its seq
+        seq, head = seg.div(num_heads, rounding_mode="floor"), seg.remainder(num_heads)
+        block_ids = tables[seq, pos.div(block_size, rounding_mode="floor")]  # [nnz]
+        cols = (block_ids * (num_layers * 2 * block_size) + pos.remainder(block_size)) * num_heads
+        return cls(ids, seq_lens, tables, max(lens), cols.add_(head), crow, seg)
+
+
+def _index(meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None) -> DecodeIndex:
+    """Builds the decode index once per forward; every layer reuses it."""
+    key = "decode" if seq_ids is None else "mixed"
+    index = meta.workspace.get(key)
+    if index is None:
+        index = meta.workspace[key] = DecodeIndex.build(meta, kv_cache, seq_ids)
+    return index
+
+
+def _layer_rows(kv_cache: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """Flat `[num_rows, head_dim]` K and V views whose row r of layer 0 is row r of `layer`."""
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
+    num_blocks, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
+    head_rows = block_size * num_heads  # rows of one K (or V) block of one layer
+    num_rows = (num_blocks - 1) * num_layers * 2 * head_rows + head_rows
+    flat = kv_cache.view(-1)
+    k_start = layer * 2 * head_rows * head_dim
+    v_start = k_start + head_rows * head_dim
+    k_rows = flat[k_start:k_start + num_rows * head_dim].view(num_rows, head_dim)
+    v_rows = flat[v_start:v_start + num_rows * head_dim].view(num_rows, head_dim)
+    return k_rows, v_rows
+
+
+def _sample_scores(q_rows: Tensor, k_rows: Tensor, index: DecodeIndex) -> Tensor:
+    """`[nnz]` dot products of each entry's K row with its segment's query row, no gather."""
+    if k_rows.dtype in (torch.float32, torch.float64):
+        pattern = torch.sparse_csr_tensor(
+            index.crow, index.cols, torch.zeros(index.cols.shape, dtype=k_rows.dtype,
+                                                device=k_rows.device),
+            size=(q_rows.shape[0], k_rows.shape[0]), check_invariants=False)
+        return torch.sparse.sampled_addmm(pattern, q_rows, k_rows.t(), beta=0.0).values()
+    # NOTE: the backward of embedding_bag's per_sample_weights is exactly this sampled dot
+    # product; it also covers bfloat16/float16, which sampled_addmm does not.
+    return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        q_rows, k_rows, index.cols, index.crow[:-1], index.seg, 0)
+
+
+def _segment_softmax(scores: Tensor, index: DecodeIndex) -> Tensor:
+    """Softmax of `[nnz]` scores within each (sequence, head) segment, in >= float32."""
+    s = scores.to(torch.promote_types(scores.dtype, torch.float32))  # [nnz]
+    peak = torch.segment_reduce(s, "max", offsets=index.crow)  # [segs]
+    s = (s - peak.index_select(0, index.seg)).exp_()
+    total = torch.segment_reduce(s, "sum", offsets=index.crow)  # [segs]
+    return s.mul_(total.reciprocal_().index_select(0, index.seg))
+
+
+def _prefill_one(
+    q: Tensor,
+    kv_cache: Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+    fresh: tuple[Tensor, Tensor] | None,
+) -> Tensor:
+    """Causal attention of one sequence's `[q_len, heads, dim]` queries over its KV."""
+    q_len, s_len = meta.query_lens_list[seq], meta.seq_lens_list[seq]
+    if fresh is not None:
+        k, v = fresh  # [s_len, num_heads, head_dim] each
+    else:
+        k, v = gather_seq_kv(kv_cache, layer, meta.block_tables[seq], s_len)
+    mask = None
+    if q_len not in (1, s_len):
+        # NOTE: bottom-right causal: query j sits at absolute position s_len - q_len + j.
+        pos = torch.arange(s_len, device=q.device)  # [s_len]
+        mask = pos[None, :] <= pos[s_len - q_len:, None]  # [q_len, s_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=q_len == s_len and q_len > 1, scale=scale,
+    )  # [num_heads, q_len, head_dim]
+    return out.transpose(0, 1)
+
+
+def gather_seq_kv(kv_cache: Tensor, layer: int, block_table: Tensor, seq_len: int
+                  ) -> tuple[Tensor, Tensor]:
+    """Copies one sequence's K and V (`[seq_len, num_heads, head_dim]` each) out of the cache."""
+    block_size, num_heads, head_dim = kv_cache.shape[3:]
+    num_blocks = math.ceil(seq_len / block_size)
+    kv = kv_cache[block_table[:num_blocks], layer]  # [num_blocks, 2, block_size, heads, dim]
+    k = kv[:, 0].reshape(-1, num_heads, head_dim)[:seq_len]  # [seq_len, num_heads, head_dim]
+    v = kv[:, 1].reshape(-1, num_heads, head_dim)[:seq_len]
+    return k, v

@@ -1,0 +1,228 @@
+"""Minimal OPT decoder (pre-LN and OPT-350m's post-LN) over a paged KV cache, in one file.
+
+Takes token ids, positions, the KV cache and attention metadata; never sees a request.
+Parameter names mirror HF's `OPTForCausalLM` except the fused `qkv_proj` (see loader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import AttentionBackend, AttentionMetadata, write_kv
+
+POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
+
+
+@dataclass(frozen=True, slots=True)
+class OPTConfig:
+    """Architecture of an OPT model (the names of HF's config.json, shortened)."""
+
+    vocab_size: int = 50272  # tokens in the embedding table
+    hidden_size: int = 768  # width of the residual stream
+    num_layers: int = 12  # decoder layers
+    num_heads: int = 12  # attention heads per layer
+    ffn_dim: int = 3072  # width of the MLP
+    max_position_embeddings: int = 2048  # longest sequence (tokens) the position table holds
+    word_embed_proj_dim: int = 768  # embedding width; != hidden_size adds project_in/out
+    do_layer_norm_before: bool = True  # pre-LN (True) or post-LN like OPT-350m (False)
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    bos_token_id: int = 2
+    eos_token_id: int = 2
+    enable_bias: bool = True  # biases on every linear layer
+    remove_final_layer_norm: bool = False  # HF's `_remove_final_layer_norm` (old checkpoints)
+    layer_norm_elementwise_affine: bool = True  # LayerNorms carry weight and bias
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_dim",
+                     "max_position_embeddings", "word_embed_proj_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                f"({self.num_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def has_final_layer_norm(self) -> bool:
+        return self.do_layer_norm_before and not self.remove_final_layer_norm
+
+    @classmethod
+    def from_name(cls, name: str, max_position_embeddings: int | None = None) -> OPTConfig:
+        """A preset geometry (`PRESETS`); a preset may extend its position table."""
+        if name not in PRESETS:
+            raise ValueError(f"model preset {name!r} is unknown; presets: {', '.join(PRESETS)}")
+        kwargs = dict(PRESETS[name])
+        if max_position_embeddings is not None:
+            kwargs["max_position_embeddings"] = max_position_embeddings
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any]) -> OPTConfig:
+        """Maps a HF `config.json` dict; raises ValueError for anything this model lacks."""
+        if d.get("model_type") != "opt":
+            raise ValueError(f"config.json model_type {d.get('model_type')!r} is not 'opt'")
+        unsupported = {"activation_function": "relu", "tie_word_embeddings": True}
+        for key, supported in unsupported.items():
+            if d.get(key, supported) != supported:
+                raise ValueError(f"config.json {key}={d[key]!r} is unsupported "
+                                 f"(only {supported!r})")
+        hidden = int(d["hidden_size"])
+        return cls(
+            vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+            num_layers=int(d["num_hidden_layers"]), num_heads=int(d["num_attention_heads"]),
+            ffn_dim=int(d["ffn_dim"]), max_position_embeddings=int(d["max_position_embeddings"]),
+            word_embed_proj_dim=int(d.get("word_embed_proj_dim") or hidden),
+            do_layer_norm_before=bool(d.get("do_layer_norm_before", True)),
+            pad_token_id=int(d.get("pad_token_id", 1)), bos_token_id=int(d.get("bos_token_id", 2)),
+            eos_token_id=int(d.get("eos_token_id", 2)),
+            enable_bias=bool(d.get("enable_bias", True)),
+            remove_final_layer_norm=bool(d.get("_remove_final_layer_norm", False)),
+            layer_norm_elementwise_affine=bool(d.get("layer_norm_elementwise_affine", True)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _geometry(hidden: int, layers: int, heads: int, proj: int | None = None,
+              pre_ln: bool = True) -> dict[str, Any]:
+    return dict(hidden_size=hidden, num_layers=layers, num_heads=heads, ffn_dim=4 * hidden,
+                word_embed_proj_dim=proj or hidden, do_layer_norm_before=pre_ln)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "opt-tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, ffn_dim=256,
+                     word_embed_proj_dim=64, max_position_embeddings=4096),
+    "opt-125m": _geometry(768, 12, 12),
+    "opt-350m": _geometry(1024, 24, 16, proj=512, pre_ln=False),
+    "opt-1.3b": _geometry(2048, 24, 32),
+    "opt-2.7b": _geometry(2560, 32, 32),
+    "opt-6.7b": _geometry(4096, 32, 32),
+    "opt-13b": _geometry(5120, 40, 40),
+    "opt-30b": _geometry(7168, 48, 56),
+}
+
+
+def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
+    return nn.LayerNorm(width, eps=cfg.layer_norm_eps,
+                        elementwise_affine=cfg.layer_norm_elementwise_affine)
+
+
+class OPTAttention(nn.Module):
+    """Self-attention with one fused QKV projection (HF's q/k/v weights concatenated)."""
+
+    def __init__(self, cfg: OPTConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.enable_bias)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.enable_bias)
+
+    def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
+                backend: AttentionBackend) -> Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)  # [num_tokens, num_heads, head_dim] each
+        write_kv(kv_cache, layer, k, v, meta.slot_mapping)
+        out = backend.forward(q, kv_cache, layer, meta, self.scale, k, v)  # [n, heads, dim]
+        return self.out_proj(out.reshape(num_tokens, -1))  # [num_tokens, hidden]
+
+
+class OPTDecoderLayer(nn.Module):
+    """Attention then ReLU MLP, each with a residual; LayerNorm before (pre-LN) or after."""
+
+    def __init__(self, cfg: OPTConfig) -> None:
+        super().__init__()
+        self.is_pre_ln = cfg.do_layer_norm_before
+        self.self_attn = OPTAttention(cfg)
+        self.self_attn_layer_norm = _layer_norm(cfg, cfg.hidden_size)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_dim, bias=cfg.enable_bias)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=cfg.enable_bias)
+        self.final_layer_norm = _layer_norm(cfg, cfg.hidden_size)
+
+    def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
+                backend: AttentionBackend) -> Tensor:
+        h = self.self_attn_layer_norm(x) if self.is_pre_ln else x  # [num_tokens, hidden]
+        h = self.self_attn(h, kv_cache, layer, meta, backend).add_(x)
+        if not self.is_pre_ln:
+            h = self.self_attn_layer_norm(h)
+        y = self.final_layer_norm(h) if self.is_pre_ln else h
+        y = self.fc2(F.relu_(self.fc1(y))).add_(h)  # [num_tokens, hidden]
+        return y if self.is_pre_ln else self.final_layer_norm(y)
+
+
+class OPTDecoder(nn.Module):
+    """Embeddings, the decoder layers, the final LayerNorm and the output projection."""
+
+    def __init__(self, cfg: OPTConfig) -> None:
+        super().__init__()
+        self.max_positions = cfg.max_position_embeddings
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.word_embed_proj_dim)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET,
+                                            cfg.hidden_size)
+        is_projected = cfg.word_embed_proj_dim != cfg.hidden_size
+        self.project_in = (nn.Linear(cfg.word_embed_proj_dim, cfg.hidden_size, bias=False)
+                           if is_projected else None)
+        self.project_out = (nn.Linear(cfg.hidden_size, cfg.word_embed_proj_dim, bias=False)
+                            if is_projected else None)
+        self.final_layer_norm = (_layer_norm(cfg, cfg.hidden_size)
+                                 if cfg.has_final_layer_norm else None)
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
+        longest = max(meta.seq_lens_list)
+        if longest > self.max_positions:
+            raise ValueError(f"sequence length {longest} exceeds max_position_embeddings "
+                             f"({self.max_positions})")
+        x = self.embed_tokens(input_ids)  # [num_tokens, word_embed_proj_dim]
+        if self.project_in is not None:
+            x = self.project_in(x)  # [num_tokens, hidden]
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv_cache, i, meta, backend)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # [num_tokens, word_embed_proj_dim]
+        return x
+
+
+class _OPTModel(nn.Module):
+    """Holds the decoder so that parameter names read `model.decoder.*` as in HF."""
+
+    def __init__(self, cfg: OPTConfig) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(cfg)
+
+
+class OPTForCausalLM(nn.Module):
+    """OPT with a tied LM head. `forward` returns hidden states; `compute_logits` projects
+    only the rows the caller selects (the LM head is the largest cost of a decode step)."""
+
+    def __init__(self, cfg: OPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _OPTModel(cfg)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
+        """`input_ids`, `positions`: `[num_tokens]` long. Returns `[num_tokens, proj_dim]`.
+
+        Raises:
+            ValueError: a sequence is longer than `max_position_embeddings`.
+        """
+        return self.model.decoder(input_ids, positions, kv_cache, meta, backend)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits."""
+        return F.linear(hidden, self.model.decoder.embed_tokens.weight)
