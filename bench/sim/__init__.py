@@ -1,0 +1,50 @@
+"""Discrete-event simulator: the real `scheduler/` policies driven by a simulated clock on a
+calibrated cost model, at scales beyond one machine (issue 9). Imports no torch and no
+engine; it emits the engine's lifecycle events and iteration records.
+"""
+
+from __future__ import annotations
+
+from bench.sim.calibrate import (
+    Calibration,
+    calibrate,
+    fit,
+    load_calibration,
+    load_records,
+    save_calibration,
+)
+from bench.sim.cluster import ClusterConfig, cluster_for
+from bench.sim.cost import (
+    GEOMETRIES,
+    KERNELS,
+    CostModel,
+    CostParams,
+    KernelKind,
+    ModelGeometry,
+    get_geometry,
+)
+from bench.sim.hardware import HARDWARE, Hardware, get_hardware
+from bench.sim.run import SimResult, simulate
+
+__all__ = [
+    "GEOMETRIES",
+    "HARDWARE",
+    "KERNELS",
+    "ClusterConfig",
+    "CostModel",
+    "CostParams",
+    "Hardware",
+    "KernelKind",
+    "ModelGeometry",
+    "SimResult",
+    "Calibration",
+    "calibrate",
+    "cluster_for",
+    "get_geometry",
+    "get_hardware",
+    "fit",
+    "load_calibration",
+    "load_records",
+    "save_calibration",
+    "simulate",
+]

@@ -1,0 +1,201 @@
+"""Calibration: fit `CostParams` to the iteration records of a real engine run, and save or
+load the result as JSON.
+
+The fit is linear least squares (numpy, non-negative by an active set) for each bytes-per-
+FLOP balance on a log grid, refined around the best one; rows are weighted by 1 / time so
+the relative error is what is minimised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from bench.sim.cost import KERNELS, CostModel, CostParams, Features, KernelKind, get_geometry
+from bench.sim.hardware import get_hardware
+
+Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+ATTENTION_KERNELS: dict[str, KernelKind] = {  # engine attention backend -> kernel kind
+    "paged": "split-k", "padded": "padded", "triton": "per-seq", "triton-splitk": "split-k",
+}
+GRID_DECADES = 3.0  # the balance grid spans this many decades either side of nominal
+GRID_POINTS = 121
+REFINE_STEPS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Fitted constants and what they were fitted on."""
+
+    params: CostParams
+    model: str
+    hardware: str
+    kernel: KernelKind
+    dtype_bytes: int
+    num_records: int
+    median_rel_error: float  # of forward_time over the records, under the fitted params
+
+
+def load_records(path: str | Path) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """JSON lines: iteration records (objects with "forward_time"); any other object is
+    header (model, dtype, attention, hardware...) and is merged into the returned header."""
+    header: dict[str, object] = {}
+    records: list[dict[str, object]] = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: every line must be a JSON object, got {line[:60]!r}")
+        if "forward_time" in item:
+            records.append(item)
+        else:
+            header.update(item.get("header", item))
+    return header, records
+
+
+def record_lengths(record: Record) -> tuple[list[int], list[tuple[int, int]]]:
+    """(decode lengths, prefill chunks) of a record. Without "lengths", the batch's lengths
+    are spread evenly from min_len to max_len; prefill tokens count as one chunk."""
+    batch_size, num_prefill = _int(record, "batch_size"), _int(record, "num_prefill_tokens")
+    chunks = [(0, num_prefill)] if num_prefill > 0 else []
+    num_decode = max(0, batch_size - len(chunks))
+    given = record.get("lengths")
+    if isinstance(given, list):
+        return [int(x) for x in given][:num_decode], chunks
+    lo, hi = _int(record, "min_len"), _int(record, "max_len")
+    if num_decode <= 1:
+        return [hi] * num_decode, chunks
+    return [round(lo + (hi - lo) * i / (num_decode - 1)) for i in range(num_decode)], chunks
+
+
+def fit(records: Sequence[Record], model: str = "opt-125m", hardware: str = "cpu",
+        kernel: KernelKind = "split-k", dtype_bytes: int | None = None) -> Calibration:
+    """Fits the constants of the cost model of (`model`, `hardware`, `kernel`) to `records`.
+
+    Raises:
+        ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
+    hw = get_hardware(hardware)
+    hw = replace(hw, dtype_bytes=dtype_bytes) if dtype_bytes else hw
+    nominal = CostModel(get_geometry(model), hw, _NOMINAL, kernel)
+    rows = [r for r in records if _float(r, "forward_time") > 0 and _int(r, "batch_size") >= 1]
+    if len(rows) < 3:
+        raise ValueError(f"records ({len(rows)} usable) must number >= 3 to fit 4 constants")
+    feats = [nominal.features(*record_lengths(r)) for r in rows]
+    times = np.array([_float(r, "forward_time") for r in rows])
+    q0 = hw.memory_bandwidth / hw.matmul_rate  # bytes per FLOP at equal efficiencies
+    grid = q0 * np.logspace(-GRID_DECADES, GRID_DECADES, GRID_POINTS)
+    q = _best_balance(feats, times, hw.memory_bandwidth, grid)
+    coef, _ = _solve(feats, times, q, hw.memory_bandwidth)
+    has_imbalance = any(f.imbalance_bytes > 0 for f in feats)
+    params = _to_params(coef, q, hw.memory_bandwidth, hw.matmul_rate, has_imbalance)
+    fitted = CostModel(nominal.geometry, hw, params, kernel)
+    rel = [abs(fitted.time_of(f) / t - 1) for f, t in zip(feats, times)]
+    return Calibration(params, model, hw.name, kernel, hw.dtype_bytes, len(rows),
+                       float(np.median(rel)))
+
+
+def calibrate(records: Sequence[Record], model: str = "opt-125m", hardware: str = "cpu",
+              kernel: KernelKind = "split-k", dtype_bytes: int | None = None) -> CostParams:
+    """The fitted `CostParams` (see `fit`)."""
+    return fit(records, model, hardware, kernel, dtype_bytes).params
+
+
+def save_calibration(path: str | Path, calibration: Calibration) -> None:
+    doc = {**asdict(calibration), "params": asdict(calibration.params)}
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Reads what `save_calibration` wrote. Raises ValueError on a malformed file."""
+    doc = json.loads(Path(path).read_text())
+    try:
+        return Calibration(**{**doc, "params": CostParams(**doc["params"])})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a calibration file ({exc})") from exc
+
+
+_NOMINAL = CostParams(step_overhead=0.0, per_seq_overhead=0.0, bw_efficiency=1.0,
+                      flops_efficiency=1.0, imbalance_scale=1.0)
+
+
+def _design(feats: Sequence[Features], q: float, bw: float) -> np.ndarray:
+    return np.array([[1.0, f.num_seqs, max(f.mem_bytes, q * f.flops) / bw,
+                      f.imbalance_bytes / bw] for f in feats])
+
+
+def _solve(feats: Sequence[Features], times: np.ndarray, q: float,
+           bw: float) -> tuple[np.ndarray, float]:
+    """Non-negative least squares on relative residuals; returns (coefficients, error)."""
+    a = _design(feats, q, bw) / times[:, None]
+    b = np.ones(len(times))
+    active = [j for j in range(a.shape[1]) if np.any(a[:, j])]
+    while True:
+        coef = np.zeros(a.shape[1])
+        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        negative = [j for j in active if coef[j] < 0 and j != 2]  # keep the roofline term
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda j: coef[j]))
+    return coef, float(np.sum((a @ coef - b) ** 2))
+
+
+def _best_balance(feats: Sequence[Features], times: np.ndarray, bw: float,
+                  grid: np.ndarray) -> float:
+    """The bytes-per-FLOP balance with the least error. When the records cannot tell a
+    range of balances apart (e.g. every iteration memory-bound), the one closest to the
+    default efficiencies' balance wins: the records say nothing against the prior."""
+    errors = np.array([_solve(feats, times, q, bw)[1] for q in grid])
+    tied = np.flatnonzero(errors <= errors.min() * (1 + 1e-3) + 1e-12 * len(times))
+    if len(tied) > 2:
+        prior = CostParams()
+        q_prior = grid[GRID_POINTS // 2] * prior.bw_efficiency / prior.flops_efficiency
+        return float(min(grid[tied], key=lambda q: abs(math.log(q / q_prior))))
+    best = int(tied[0])
+    return _refine(feats, times, bw, grid[max(best - 1, 0)], grid[min(best + 1, GRID_POINTS - 1)])
+
+
+def _refine(feats: Sequence[Features], times: np.ndarray, bw: float, lo: float,
+            hi: float) -> float:
+    """Golden-section search for the best balance in [lo, hi] (log scale)."""
+    a, b = math.log(lo), math.log(hi)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(REFINE_STEPS):
+        c, d = b - ratio * (b - a), a + ratio * (b - a)
+        if _solve(feats, times, math.exp(c), bw)[1] <= _solve(feats, times, math.exp(d), bw)[1]:
+            b = d
+        else:
+            a = c
+    return math.exp((a + b) / 2)
+
+
+def _to_params(coef: np.ndarray, q: float, bw: float, rate: float,
+               has_imbalance: bool) -> CostParams:
+    """max(m / (bw be), f / (rate fe)) = c2 max(m, q f) / bw with be = 1 / c2 and
+    q = bw be / (rate fe); the imbalance term c3 imb / bw = scale imb / (bw be). Records
+    without imbalance (split-k) say nothing about its scale: it keeps its default."""
+    c2 = max(float(coef[2]), 1e-9)
+    bw_eff = 1.0 / c2
+    return CostParams(step_overhead=max(float(coef[0]), 0.0),
+                      per_seq_overhead=max(float(coef[1]), 0.0), bw_efficiency=bw_eff,
+                      flops_efficiency=bw * bw_eff / (rate * q),
+                      imbalance_scale=max(float(coef[3]), 0.0) / c2 if has_imbalance else 1.0)
+
+
+def _int(record: Record, key: str) -> int:
+    value = record.get(key, 0)
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def _float(record: Record, key: str) -> float:
+    value = record.get(key, 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0

@@ -1,0 +1,197 @@
+"""Cost model of one iteration (decode, prefill or mixed) and of KV transfers.
+
+Roofline: time = overhead + max(bytes / bandwidth, FLOPs / rate), with the attention work
+imbalance of the decode kernel added on top (DESIGN §1: the iteration-level bubble).
+Model geometries are a local table, so this never imports `models/` (which needs torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from bench.sim.hardware import Hardware
+
+KernelKind = Literal["split-k", "per-seq", "padded"]
+KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "padded")
+NUM_POSITIONS = 2050  # OPT's learned position table (2048 + its offset of 2)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """The shapes that set an OPT model's bytes and FLOPs."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_dim: int
+    vocab_size: int = 50272
+    embed_dim: int = 0  # word_embed_proj_dim; 0 means hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def proj_dim(self) -> int:
+        return self.embed_dim or self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one decoder layer (attention 4 h^2, MLP 2 h ffn)."""
+        h = self.hidden_size
+        return 4 * h * h + 2 * h * self.ffn_dim
+
+    @property
+    def num_params(self) -> int:
+        h, e = self.hidden_size, self.proj_dim
+        proj = 2 * h * e if e != h else 0
+        return self.num_layers * self.layer_params + self.vocab_size * e + NUM_POSITIONS * h + proj
+
+    @property
+    def dense_flops_per_token(self) -> float:
+        """Matmul FLOPs of every layer for one token, LM head excluded."""
+        h, e = self.hidden_size, self.proj_dim
+        return 2.0 * (self.num_layers * self.layer_params + (2 * h * e if e != h else 0))
+
+    @property
+    def lm_head_flops(self) -> float:
+        """FLOPs of the LM head for one sampled token."""
+        return 2.0 * self.proj_dim * self.vocab_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers (bytes)."""
+        return 2 * self.num_layers * self.hidden_size * dtype_bytes
+
+
+GEOMETRIES: dict[str, ModelGeometry] = {
+    g.name: g for g in (
+        ModelGeometry("opt-tiny", 2, 64, 4, 256, vocab_size=512),
+        ModelGeometry("opt-125m", 12, 768, 12, 3072),
+        ModelGeometry("opt-350m", 24, 1024, 16, 4096, embed_dim=512),
+        ModelGeometry("opt-1.3b", 24, 2048, 32, 8192),
+        ModelGeometry("opt-2.7b", 32, 2560, 32, 10240),
+        ModelGeometry("opt-6.7b", 32, 4096, 32, 16384),
+        ModelGeometry("opt-13b", 40, 5120, 40, 20480),
+        ModelGeometry("opt-30b", 48, 7168, 56, 28672),
+        ModelGeometry("opt-66b", 64, 9216, 72, 36864),
+    )
+}
+
+
+def get_geometry(name: str) -> ModelGeometry:
+    """The geometry of the OPT model `name`. Raises ValueError if unknown."""
+    geometry = GEOMETRIES.get(name.lower())
+    if geometry is None:
+        raise ValueError(f"model ({name!r}) must be one of {sorted(GEOMETRIES)}")
+    return geometry
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """The fitted constants (defaults: priors for a GPU serving stack, not measurements)."""
+
+    step_overhead: float = 2e-3  # fixed time of every iteration: launches, host work (s)
+    per_seq_overhead: float = 1e-5  # host work per sequence in the batch (s)
+    bw_efficiency: float = 0.8  # achieved share of the nominal memory bandwidth
+    flops_efficiency: float = 0.6  # achieved share of the nominal matmul rate
+    imbalance_scale: float = 1.0  # weight of the attention imbalance term
+
+    def __post_init__(self) -> None:
+        for name in ("step_overhead", "per_seq_overhead", "imbalance_scale"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
+        for name in ("bw_efficiency", "flops_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be > 0")
+
+
+class Features(NamedTuple):
+    """What one iteration costs before the constants are applied (also the fit's inputs)."""
+
+    num_seqs: int
+    mem_bytes: float  # weights + KV read and written
+    flops: float
+    imbalance_bytes: float  # extra bytes-equivalent of attention imbalance (>= 0)
+
+
+class CostModel:
+    """Iteration and transfer times for one model on one kind of device."""
+
+    def __init__(self, geometry: ModelGeometry, hardware: Hardware,
+                 params: CostParams | None = None, kernel: KernelKind = "split-k") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
+        self.geometry, self.hardware, self.kernel = geometry, hardware, kernel
+        self.params = params or CostParams()
+        dtype = hardware.dtype_bytes
+        self.weight_bytes = float(geometry.num_params * dtype)
+        self.kv_bytes_per_token = geometry.kv_bytes_per_token(dtype)
+        # Bytes of one (layer, head) slice of one token's K and V, summed over layers.
+        self._head_bytes = 2 * geometry.head_dim * dtype * geometry.num_layers
+        self._attn_flops = 4.0 * geometry.num_layers * geometry.hidden_size  # per query-key
+        self._bw = hardware.memory_bandwidth * self.params.bw_efficiency
+        self._rate = hardware.matmul_rate * self.params.flops_efficiency
+
+    def features(self, decode_lengths: Sequence[int],
+                 prefill_chunks: Sequence[tuple[int, int]] = ()) -> Features:
+        """Bytes and FLOPs of one iteration.
+
+        Args:
+            decode_lengths: KV length (tokens, the new one included) of each decode seq.
+            prefill_chunks: ``(num_computed, num_new)`` of each prefill (or chunk) seq.
+        """
+        g = self.geometry
+        num_kv = sum(decode_lengths)
+        num_tokens = len(decode_lengths)
+        num_attn = float(num_kv)
+        for start, num_new in prefill_chunks:
+            num_kv += start + num_new
+            num_tokens += num_new
+            num_attn += num_new * start + num_new * (num_new + 1) / 2
+        num_seqs = len(decode_lengths) + len(prefill_chunks)
+        flops = (g.dense_flops_per_token * num_tokens + g.lm_head_flops * num_seqs
+                 + self._attn_flops * num_attn)
+        mem = self.weight_bytes + num_kv * self.kv_bytes_per_token
+        return Features(num_seqs, mem, flops, self.imbalance_bytes(decode_lengths))
+
+    def imbalance_bytes(self, lengths: Sequence[int]) -> float:
+        """Attention time lost to imbalance, as extra bytes at the full bandwidth.
+
+        `split-k` balances work over the SMs (0). `padded` reads every seq to the longest.
+        `per-seq` gives each (seq, head) one SM; tasks run in waves of num_sms in batch
+        order and each wave lasts as long as its longest sequence.
+        """
+        if not lengths or self.kernel == "split-k":
+            return 0.0
+        if self.kernel == "padded":
+            return float(len(lengths) * max(lengths) - sum(lengths)) * self.kv_bytes_per_token
+        heads, slots = self.geometry.num_heads, self.hardware.num_sms
+        num_tasks = len(lengths) * heads
+        wave_max = 0
+        for first in range(0, num_tasks, slots):
+            last = min(first + slots, num_tasks) - 1
+            wave_max += max(lengths[first // heads : last // heads + 1])
+        return float(slots * wave_max - heads * sum(lengths)) * self._head_bytes
+
+    def time_of(self, f: Features) -> float:
+        """Seconds for an iteration with features `f`."""
+        p = self.params
+        roof = max(f.mem_bytes / self._bw, f.flops / self._rate)
+        return (p.step_overhead + p.per_seq_overhead * f.num_seqs + roof
+                + p.imbalance_scale * f.imbalance_bytes / self._bw)
+
+    def iteration_time(self, decode_lengths: Sequence[int],
+                       prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """Seconds for one decode, prefill or mixed iteration (see `features`)."""
+        return self.time_of(self.features(decode_lengths, prefill_chunks))
+
+    def prefill_time(self, prompt_lens: Sequence[int]) -> float:
+        """Seconds for one packed prefill of whole prompts."""
+        return self.iteration_time((), [(0, n) for n in prompt_lens])
+
+    def kv_bytes(self, num_blocks: int, block_size: int) -> float:
+        """Bytes of `num_blocks` KV blocks (whole blocks move)."""
+        return float(num_blocks * block_size * self.kv_bytes_per_token)

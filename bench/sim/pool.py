@@ -1,0 +1,195 @@
+"""Simulated host KV pool and batch generator (aserve/actors/pool.py and batcher.py).
+
+The pool indexes pooled requests through the real policy object. The batcher asks it for
+the next batch whenever a decode instance's candidate batch buffer is empty, and for
+requests matching a running batch's length window (dynamic prefetch), and prefetches their
+KV into the instance's staging buffer over the prefill device's host link, one batch at a
+time; a request the staging buffer cannot take stays in host memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from bench.sim.cluster import SimContext
+from bench.sim.loop import POOLED, STAGED, SimActor, SimSeq, Store
+from scheduler import SeqView
+
+if TYPE_CHECKING:
+    from bench.sim.prefill import PrefillInstance
+
+MATCH_STAGING_SHARE = 0.5  # at most this share of free staging goes to matching requests
+
+Deliver = Callable[[int, list[SimSeq]], None]
+
+
+class Pool:
+    """The host pool's bookkeeping: pooled sequences, indexed by the policy."""
+
+    def __init__(self, ctx: SimContext) -> None:
+        self.ctx = ctx
+        self.host = ctx.store("host", "host", ctx.config.num_host_blocks)
+        self.seqs: dict[str, SimSeq] = {}
+        self.prefills: list[PrefillInstance] = []
+        self.batcher: Batcher | None = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: SimSeq) -> None:
+        """`seq`'s KV has landed in host memory: index it and tell the batcher."""
+        assert seq.location is self.host, f"{seq.seq_id} pooled without host KV"
+        seq.status = POOLED
+        self.ctx.recorder.event(seq, "pooled", self.ctx.loop.now)
+        self.seqs[seq.seq_id] = seq
+        num_blocks = self.ctx.stores.blocks_for(seq.num_computed)
+        view = SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.arrival_time, seq.batch_id)
+        start = time.perf_counter()
+        self.ctx.policy.add(view)
+        self.ctx.policy_time += time.perf_counter() - start
+        assert self.batcher is not None, "the pool is wired to a batcher"
+        self.batcher.pool_changed()
+
+    def take(self, seq_ids: list[str]) -> list[SimSeq]:
+        """Removes `seq_ids` from the pool and hands them over."""
+        taken = [self.seqs.pop(seq_id) for seq_id in seq_ids]
+        start = time.perf_counter()
+        for seq_id in seq_ids:
+            self.ctx.policy.remove(seq_id)
+        self.ctx.policy_time += time.perf_counter() - start
+        return taken
+
+    def notify_space(self) -> None:
+        """Host blocks were freed: wake prefill instances held back by a full pool."""
+        for prefill in self.prefills:
+            if prefill.blocked:
+                prefill.wake()
+
+
+class Window(NamedTuple):
+    """A decode instance's running length window, for dynamic prefetch."""
+
+    lo: int
+    hi: int
+    max_blocks: int  # decode room the instance can accept
+    max_requests: int
+
+
+class Batcher(SimActor):
+    """Forms candidate batches and fills candidate request buffers, one prefetch at a time."""
+
+    def __init__(self, ctx: SimContext, pool: Pool) -> None:
+        super().__init__(ctx.loop)
+        self.ctx, self.pool = ctx, pool
+        self.wanting: set[int] = set()
+        self.in_flight: set[int] = set()  # instances whose next batch is being prefetched
+        self.windows: dict[int, Window] = {}
+        self.pending: set[int] = set()  # instances whose window wants a matching pass
+        self.staging: list[Store] = []  # by decode instance
+        self.deliver_batch: list[Deliver] = []  # by decode instance
+        self.deliver_requests: list[Deliver] = []
+        self.num_batches = 0
+
+    def want(self, instance: int) -> None:
+        """An instance's candidate batch buffer is empty.
+
+        NOTE: a want while that instance's batch is still being prefetched only wakes the
+        batcher; taking a second batch then would overwrite the first on delivery.
+        """
+        if instance not in self.in_flight:
+            self.wanting.add(instance)
+        self.wake()
+
+    def pool_changed(self) -> None:
+        if self.ctx.policy.uses_dynamic_prefetch:
+            self.pending.update(self.windows)
+        self.wake()
+
+    def window(self, instance: int, window: Window) -> None:
+        self.windows[instance] = window
+        self.pending.add(instance)
+        self.wake()
+
+    def act(self) -> None:
+        """One prefetch at a time: a batch for a waiting instance first, else matching."""
+        if self._fill_one():
+            return
+        while self.pending:
+            instance = min(self.pending)
+            self.pending.discard(instance)
+            if self._match(instance):
+                return
+
+    def _fill_one(self) -> bool:
+        """Gives one waiting decode instance a batch, if the pool has one for it."""
+        cfg, policy = self.ctx.config, self.ctx.policy
+        for instance in sorted(self.wanting):
+            if not len(self.pool):
+                return False
+            budget = int(cfg.num_decode_blocks * cfg.batch_kv_fraction)
+            if policy.uses_staging:
+                budget = min(budget, self.staging[instance].num_free)
+            if budget <= 0:
+                continue
+            start = time.perf_counter()
+            seq_ids = policy.next_batch(budget, cfg.max_batch_size, self.ctx.loop.now)
+            self.ctx.policy_time += time.perf_counter() - start
+            if not seq_ids:
+                continue
+            self.wanting.discard(instance)
+            self.in_flight.add(instance)
+            self.num_batches += 1
+            seqs = self.pool.take(seq_ids)
+            self._stage(seqs, instance, self.num_batches, self._deliver_batch)
+            return True
+        return False
+
+    def _match(self, instance: int) -> bool:
+        """Stages pool requests whose length lies in the instance's running window."""
+        window = self.windows.get(instance)
+        if window is None or not self.ctx.policy.uses_dynamic_prefetch or not len(self.pool):
+            return False
+        room = min(int(self.staging[instance].num_free * MATCH_STAGING_SHARE), window.max_blocks)
+        if room <= 0 or window.max_requests <= 0:
+            return False
+        start = time.perf_counter()
+        seq_ids = self.ctx.policy.matching(window.lo, window.hi, room, window.max_requests)
+        self.ctx.policy_time += time.perf_counter() - start
+        if not seq_ids:
+            return False
+        self._stage(self.pool.take(seq_ids), instance, -1, self.deliver_requests[instance])
+        return True
+
+    def _stage(self, seqs: list[SimSeq], instance: int, batch_id: int,
+               deliver: Deliver) -> None:
+        """Prefetches `seqs` host -> staging (in order), then delivers them all at once."""
+        ctx = self.ctx
+        staging = self.staging[instance]
+        device = ctx.config.prefill_devices[instance % len(ctx.config.prefill_devices)]
+        link = ctx.host_link(device, "h2d")
+        now = ctx.loop.now
+        done = now
+        for seq in seqs:
+            seq.instance, seq.batch_id = instance, batch_id
+            num_blocks = ctx.stores.move(seq, staging) if ctx.policy.uses_staging else 0
+            if num_blocks:
+                done = ctx.copy(link, done, num_blocks)
+                seq.status = STAGED
+                ctx.recorder.event(seq, "prefetched", done)
+        self.is_busy = True
+        ctx.loop.at(done, lambda: self._delivered(deliver, batch_id, seqs, done > now))
+
+    def _deliver_batch(self, batch_id: int, seqs: list[SimSeq]) -> None:
+        instance = seqs[0].instance
+        self.in_flight.discard(instance)
+        self.deliver_batch[instance](batch_id, seqs)
+
+    def _delivered(self, deliver: Deliver, batch_id: int, seqs: list[SimSeq],
+                   freed_host: bool) -> None:
+        self.is_busy = False
+        if freed_host:
+            self.pool.notify_space()
+        deliver(batch_id, seqs)
+        self.act()

@@ -1,0 +1,115 @@
+"""Validation: calibrate on one engine run's iteration records, simulate the engine's
+configuration on another workload, and print predicted against measured figures.
+
+The measured side is the benchmark's JSON result rows (`bench.report.write_json`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from bench.sim.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
+from bench.sim.cluster import ClusterConfig
+from bench.sim.cost import CostModel, KernelKind, get_geometry
+from bench.sim.hardware import get_hardware
+from bench.sim.run import simulate
+from bench.workloads import Workload
+
+METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
+TOLERANCE = 0.15  # issue 9: predictions within 15 % of the engine
+_CLUSTER_KEYS = ("block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
+                 "max_prefill_tokens", "max_batch_size", "min_requests", "leaf_width",
+                 "batch_kv_fraction", "starvation_threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationRow:
+    """One system's one metric, predicted and measured."""
+
+    system: str
+    metric: str
+    predicted: float
+    measured: float
+
+    @property
+    def rel_error(self) -> float:
+        """(predicted - measured) / measured; NaN without a measurement."""
+        if not self.measured or math.isnan(self.measured):
+            return math.nan
+        return (self.predicted - self.measured) / self.measured
+
+
+def cluster_from_header(header: Mapping[str, object]) -> ClusterConfig:
+    """The engine's devices and capacities from a record header's EngineConfig-like keys
+    (`host_pool_gb` is converted with the header's model and dtype)."""
+    fields: dict[str, object] = {k: header[k] for k in _CLUSTER_KEYS if k in header}
+    for key in ("prefill_devices", "decode_devices"):
+        value = header.get(key)
+        if isinstance(value, str):
+            fields[key] = (value,)
+        elif isinstance(value, (list, tuple)):
+            fields[key] = tuple(str(v) for v in value)
+    pool_gb = header.get("host_pool_gb")
+    if isinstance(pool_gb, (int, float)):
+        geometry = get_geometry(str(header.get("model", "opt-125m")))
+        dtype_bytes = DTYPE_BYTES.get(str(header.get("dtype", "float32")), 4)
+        block_bytes = int(fields.get("block_size", 16)) * geometry.kv_bytes_per_token(  # type: ignore[call-overload]
+            dtype_bytes)
+        fields["num_host_blocks"] = max(1, int(pool_gb * 2**30 // block_bytes))
+    return ClusterConfig(**fields)  # type: ignore[arg-type]
+
+
+def calibration_from_header(header: Mapping[str, object],
+                            records: Sequence[Record]) -> Calibration:
+    """Fits the cost model named by the header (model, dtype, attention, hardware)."""
+    kernel: KernelKind = ATTENTION_KERNELS.get(str(header.get("attention", "paged")), "split-k")
+    return fit(records, model=str(header.get("model", "opt-125m")),
+               hardware=str(header.get("hardware", "cpu")), kernel=kernel,
+               dtype_bytes=DTYPE_BYTES.get(str(header.get("dtype", "float32"))))
+
+
+def validate(header: Mapping[str, object], records: Sequence[Record],
+             measured: Sequence[Mapping[str, object]], workload: Workload,
+             config: ClusterConfig | None = None) -> list[ValidationRow]:
+    """Predicts every measured system on `workload` and prints a markdown table.
+
+    Args:
+        header, records: the calibration run (see `bench.sim.calibrate.load_records`).
+        measured: result rows of the run to predict ("system" plus Summary fields).
+        workload: the workload that run replayed (same requests, same arrivals).
+        config: the engine's cluster; by default read from the header.
+    """
+    calibration = calibration_from_header(header, records)
+    hw = replace(get_hardware(calibration.hardware), dtype_bytes=calibration.dtype_bytes)
+    cost = CostModel(get_geometry(calibration.model), hw, calibration.params,
+                     calibration.kernel)
+    config = config or cluster_from_header(header)
+    rows: list[ValidationRow] = []
+    for row in measured:
+        system = str(row["system"])
+        summary = simulate(workload, system, config, cost).summary()
+        for metric in METRICS:
+            value = row.get(metric)
+            rows.append(ValidationRow(system, metric, float(getattr(summary, metric)),
+                                      float(value) if isinstance(value, (int, float))
+                                      else math.nan))
+    print(format_rows(rows, calibration))
+    return rows
+
+
+def format_rows(rows: Sequence[ValidationRow], calibration: Calibration) -> str:
+    """A markdown table of predicted vs measured, with the calibration it used."""
+    lines = [f"calibration: {calibration.model} on {calibration.hardware} "
+             f"({calibration.kernel}), {calibration.num_records} records, median forward-time "
+             f"error {calibration.median_rel_error:.1%}",
+             "", "| system | metric | predicted | measured | error | within 15 % |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        err = r.rel_error
+        ok = "–" if math.isnan(err) else ("yes" if abs(err) <= TOLERANCE else "no")
+        err_text = "–" if math.isnan(err) else f"{err:+.1%}"
+        lines.append(f"| {r.system} | {r.metric} | {r.predicted:.4g} | {r.measured:.4g} | "
+                     f"{err_text} | {ok} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,227 @@
+"""`aserve sim`: simulate policies at paper scale on the cost model (bench/sim/).
+
+    aserve sim [run] --workload azure-code --model opt-13b --hardware h100 --prefill 2
+        --decode 6 --systems aligned,fcfs,continuous --kernel per-seq,split-k --json OUT
+        --plots DIR [--calibration FILE] [--num-requests N]
+    aserve sim calibrate RECORDS.jsonl --out FILE [--model M --hardware H --kernel K]
+    aserve sim validate --records RECORDS.jsonl --measured BENCH.json --workload ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench.metrics import Summary, request_metrics
+from bench.report import (
+    Caption,
+    markdown_table,
+    plot_forward_time_cdf,
+    plot_ttft_cdf,
+    plot_workload_comparison,
+    write_json,
+)
+from bench.sim.calibrate import (
+    ATTENTION_KERNELS,
+    DTYPE_BYTES,
+    fit,
+    load_calibration,
+    load_records,
+    save_calibration,
+)
+from bench.sim.cluster import ClusterConfig, cluster_for
+from bench.sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
+from bench.sim.hardware import get_hardware
+from bench.sim.run import SimResult, simulate
+from bench.sim.validate import validate
+from bench.workloads import Workload, load_workload
+
+PAPER_MIN_REQUESTS = 128  # the paper's example of a batch that saturates a GPU
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="azure-code",
+                        help="synthetic | azure-code | azure-conv | sharegpt4")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="azure: replay this many times faster than the trace")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="mean arrival rate (req/s); synthetic/sharegpt4 default offline")
+    parser.add_argument("--offline", action="store_true", help="every request arrives at 0")
+    parser.add_argument("--length-scale", type=float, default=1.0)
+    parser.add_argument("--short-ratio", type=float, default=0.95, help="synthetic only")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The workload the arguments name. Raises ValueError for bad values."""
+    common = dict(length_scale=args.length_scale, seed=args.seed)
+    if args.workload.startswith("azure-"):
+        workload = load_workload(args.workload, num_requests=args.num_requests,
+                                 rate_scale=args.rate_scale, offline=args.offline, **common)
+        return workload.with_rate(args.rate) if args.rate and not args.offline else workload
+    rate = None if args.offline else args.rate
+    if args.workload == "synthetic":
+        return load_workload("synthetic", num_requests=args.num_requests or 1000, rate=rate,
+                             short_ratio=args.short_ratio, **common)
+    return load_workload(args.workload, num_requests=args.num_requests, rate=rate, **common)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aserve sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    parser.add_argument("--model", default="opt-13b")
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--prefill", type=int, default=2, help="prefill instances (devices)")
+    parser.add_argument("--decode", type=int, default=6, help="decode instances (devices)")
+    parser.add_argument("--systems", default="aligned,fcfs,continuous")
+    parser.add_argument("--kernel", default="per-seq,split-k",
+                        help=f"comma list of {', '.join(KERNELS)}")
+    parser.add_argument("--calibration", default=None, help="fitted constants (JSON)")
+    parser.add_argument("--min-requests", type=int, default=None,
+                        help=f"DFS min_requests (default {PAPER_MIN_REQUESTS} on GPUs, else 8)")
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--plots", default=None, help="write figures into this folder")
+    return parser
+
+
+def _kernels(text: str) -> list[KernelKind]:
+    kernels = [k.strip() for k in text.split(",") if k.strip()]
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
+    return kernels  # type: ignore[return-value]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulates every (kernel, system) pair; prints tables and the aligned ratios."""
+    geometry, hw = get_geometry(args.model), get_hardware(args.hardware)
+    params = CostParams()
+    if args.calibration:
+        params = load_calibration(args.calibration).params
+    min_requests = args.min_requests or (PAPER_MIN_REQUESTS if hw.is_gpu else 8)
+    config = cluster_for(hw, geometry, args.prefill, args.decode, min_requests=min_requests,
+                         max_batch_size=args.max_batch_size,
+                         max_prefill_tokens=args.max_prefill_tokens)
+    workload = build_workload(args)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    kernels = _kernels(args.kernel)
+    print(f"# {workload.name}: {workload.num_requests} requests, {args.model} on "
+          f"{args.prefill}+{args.decode} x {hw.name} (continuous: "
+          f"{len(config.colocated_devices)} colocated)\n")
+    results: dict[str, list[SimResult]] = {}
+    for kernel in kernels:
+        cost = CostModel(geometry, hw, params, kernel)
+        results[kernel] = [_simulate_one(workload, system, config, cost) for system in systems]
+    summaries = {k: [_labelled(r, k, len(kernels)) for r in rs] for k, rs in results.items()}
+    for name, rows in summaries.items():
+        base = next((s.system for s in rows if s.system.startswith("fcfs")), None)
+        print(f"## kernel: {name}\n\n{markdown_table(rows, baseline=base)}")
+        print(ratio_lines(rows))
+    flat = [s for rows in summaries.values() for s in rows]
+    if args.json:
+        write_json(args.json, {**vars(args), "cluster": repr(config), "params": repr(params)},
+                   flat)
+    if args.plots:
+        _plots(Path(args.plots), results, summaries, workload, args)
+    return 0
+
+
+def _simulate_one(workload: Workload, system: str, config: ClusterConfig,
+                  cost: CostModel) -> SimResult:
+    result = simulate(workload, system, config, cost)
+    print(f"  simulated {system:20s} [{cost.kernel}]: {result.wall_time:6.1f} s wall "
+          f"({result.policy_time:.1f} s in policy), {result.num_finished}/"
+          f"{result.num_requests} finished, {result.end_time:.1f} s simulated")
+    return result
+
+
+def _labelled(result: SimResult, kernel: str, num_kernels: int) -> Summary:
+    summary = result.summary()
+    return replace(summary, system=f"{summary.system} [{kernel}]") if num_kernels > 1 \
+        else summary
+
+
+def ratio_lines(rows: list[Summary]) -> str:
+    """aligned over each other system: decode throughput and P99 TPOT (lower is better)."""
+    aligned = next((s for s in rows if s.system.split(" ")[0] == "aligned"), None)
+    if aligned is None:
+        return ""
+    lines = []
+    for other in rows:
+        if other is aligned:
+            continue
+        lines.append(f"- aligned / {other.system}: decode throughput "
+                     f"{aligned.decode_throughput / other.decode_throughput:.2f}x, "
+                     f"P99 TPOT {other.tpot_p99 / aligned.tpot_p99:.2f}x lower")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(folder: Path, results: dict[str, list[SimResult]],
+           summaries: dict[str, list[Summary]], workload: Workload,
+           args: argparse.Namespace) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    caption = Caption(machine=f"simulated {args.prefill}+{args.decode} x {args.hardware}",
+                      model=f"{args.model} (cost model)",
+                      scale=f"{workload.name}, {workload.num_requests} requests")
+    plot_workload_comparison(folder / "throughput_tpot.png", {workload.name: [
+        s for rows in summaries.values() for s in rows]}, caption)
+    named = {f"{r.system} [{k}]": r for k, rs in results.items() for r in rs}
+    plot_forward_time_cdf(folder / "forward_time_cdf.png",
+                          {n: r.iterations for n, r in named.items()}, caption)
+    plot_ttft_cdf(folder / "ttft_cdf.png",
+                  {n: request_metrics(r.events) for n, r in named.items()}, caption)
+
+
+def calibrate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="aserve sim calibrate")
+    parser.add_argument("records", help="JSON lines of iteration records (+ header)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default=None, help="default: the header's model")
+    parser.add_argument("--hardware", default=None, help="default: the header's, else cpu")
+    parser.add_argument("--kernel", default=None, help="default: from the header's attention")
+    args = parser.parse_args(argv)
+    header, records = load_records(args.records)
+    kernel = args.kernel or ATTENTION_KERNELS.get(str(header.get("attention", "paged")),
+                                                  "split-k")
+    calibration = fit(records, model=args.model or str(header.get("model", "opt-125m")),
+                      hardware=args.hardware or str(header.get("hardware", "cpu")),
+                      kernel=_kernels(kernel)[0],
+                      dtype_bytes=DTYPE_BYTES.get(str(header.get("dtype", ""))))
+    save_calibration(args.out, calibration)
+    print(json.dumps({"params": asdict(calibration.params),
+                      "median_rel_error": calibration.median_rel_error}))
+    return 0
+
+
+def validate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="aserve sim validate")
+    add_workload_args(parser)
+    parser.add_argument("--records", required=True, help="calibration run (JSON lines)")
+    parser.add_argument("--measured", required=True, help="benchmark JSON of the run to predict")
+    args = parser.parse_args(argv)
+    header, records = load_records(args.records)
+    measured = json.loads(Path(args.measured).read_text())["results"]
+    validate(header, records, measured, build_workload(args))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `aserve sim` (dispatched from aserve/cli.py)."""
+    commands = {"calibrate": calibrate_main, "validate": validate_main}
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        started = time.perf_counter()
+        code = run(_run_parser().parse_args(argv[1:] if argv[:1] == ["run"] else argv))
+        print(f"total wall time {time.perf_counter() - started:.1f} s")
+        return code
+    except ValueError as exc:
+        print(f"aserve sim: error: {exc}")
+        return 2

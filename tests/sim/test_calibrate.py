@@ -1,0 +1,98 @@
+"""Calibration: constants recovered from records a known cost model produced, JSON files."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.sim.calibrate import (
+    Calibration,
+    calibrate,
+    fit,
+    load_calibration,
+    load_records,
+    record_lengths,
+    save_calibration,
+)
+from bench.sim.cost import CostModel, CostParams, KernelKind, get_geometry
+from bench.sim.hardware import get_hardware
+
+TRUE = CostParams(step_overhead=3e-3, per_seq_overhead=2e-4, bw_efficiency=0.4,
+                  flops_efficiency=0.3, imbalance_scale=0.7)
+
+
+def _records(kernel: KernelKind, n: int = 120, seed: int = 0,
+             hardware: str = "cpu") -> list[dict[str, object]]:
+    """Iteration records of opt-125m, timed by TRUE: decode steps (memory-bound) and, every
+    third, a mixed step with a prefill chunk (compute-bound)."""
+    model = CostModel(get_geometry("opt-125m"), get_hardware(hardware), TRUE, kernel)
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lengths = [rng.randint(16, 600) for _ in range(rng.randint(1, 64))]
+        num_prefill = rng.randint(64, 1024) if i % 3 == 0 else 0
+        chunks = [(0, num_prefill)] if num_prefill else []
+        out.append(dict(batch_size=len(lengths) + len(chunks), min_len=min(lengths),
+                        max_len=max(lengths), num_prefill_tokens=num_prefill,
+                        forward_time=model.iteration_time(lengths, chunks), lengths=lengths))
+    return out
+
+
+@pytest.mark.parametrize(("kernel", "hardware"), [("split-k", "cpu"), ("per-seq", "a100")])
+def test_fit_recovers_the_constants_that_made_the_records(kernel: KernelKind,
+                                                          hardware: str) -> None:
+    """(per-seq on a 2-core CPU has no imbalance to fit: 12 heads fill both cores.)"""
+    calibration = fit(_records(kernel, hardware=hardware), model="opt-125m",
+                      hardware=hardware, kernel=kernel)
+    got = calibration.params
+    assert got.step_overhead == pytest.approx(TRUE.step_overhead, rel=0.05)
+    assert got.per_seq_overhead == pytest.approx(TRUE.per_seq_overhead, rel=0.05)
+    assert got.bw_efficiency == pytest.approx(TRUE.bw_efficiency, rel=0.05)
+    assert got.flops_efficiency == pytest.approx(TRUE.flops_efficiency, rel=0.05)
+    if kernel == "per-seq":
+        assert got.imbalance_scale == pytest.approx(TRUE.imbalance_scale, rel=0.05)
+    assert calibration.median_rel_error < 0.01
+
+
+def test_fit_without_lengths_still_predicts_forward_time_closely() -> None:
+    records = [{k: v for k, v in r.items() if k != "lengths"} for r in _records("split-k")
+               if not r["num_prefill_tokens"]]
+    params = calibrate(records, model="opt-125m", hardware="cpu", kernel="split-k")
+    model = CostModel(get_geometry("opt-125m"), get_hardware("cpu"), params)
+    lengths = [200] * 30 + [500] * 2
+    truth = CostModel(get_geometry("opt-125m"), get_hardware("cpu"), TRUE)
+    assert model.iteration_time(lengths) == pytest.approx(truth.iteration_time(lengths),
+                                                          rel=0.1)
+
+
+def test_record_lengths_spread_evenly_and_count_prefill_as_one_chunk() -> None:
+    record = dict(batch_size=5, min_len=10, max_len=50, num_prefill_tokens=0)
+    assert record_lengths(record) == ([10, 20, 30, 40, 50], [])
+    mixed = dict(batch_size=3, min_len=10, max_len=30, num_prefill_tokens=100)
+    assert record_lengths(mixed) == ([10, 30], [(0, 100)])
+
+
+def test_too_few_records_are_refused() -> None:
+    with pytest.raises(ValueError, match="records"):
+        calibrate(_records("split-k", n=2))
+
+
+def test_calibration_round_trips_through_json(tmp_path: Path) -> None:
+    calibration = fit(_records("split-k", n=20))
+    save_calibration(tmp_path / "cal.json", calibration)
+    assert load_calibration(tmp_path / "cal.json") == calibration
+    (tmp_path / "bad.json").write_text('{"params": {}}')
+    with pytest.raises(ValueError, match="calibration"):
+        load_calibration(tmp_path / "bad.json")
+
+
+def test_records_file_keeps_header_and_records_apart(tmp_path: Path) -> None:
+    lines = [{"header": {"model": "opt-125m", "dtype": "float32"}}, *_records("split-k", n=3)]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    header, records = load_records(path)
+    assert header == {"model": "opt-125m", "dtype": "float32"} and len(records) == 3
+    assert isinstance(fit(records * 2), Calibration)

@@ -1,0 +1,81 @@
+"""The cost model: more KV is never cheaper, imbalance per kernel kind, geometry tables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.sim.cost import KERNELS, CostModel, CostParams, get_geometry
+from bench.sim.hardware import get_hardware
+
+LENGTHS = st.lists(st.integers(1, 9000), min_size=1, max_size=300)
+
+
+def _model(kernel: str, model: str = "opt-13b", hardware: str = "h100") -> CostModel:
+    return CostModel(get_geometry(model), get_hardware(hardware), CostParams(), kernel)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=LENGTHS, index=st.integers(0, 299), extra=st.integers(1, 5000),
+       kernel=st.sampled_from(KERNELS))
+def test_a_longer_sequence_is_never_cheaper(lengths: list[int], index: int, extra: int,
+                                            kernel: str) -> None:
+    model = _model(kernel)
+    longer = list(lengths)
+    longer[index % len(lengths)] += extra
+    assert model.iteration_time(longer) >= model.iteration_time(lengths) * (1 - 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=LENGTHS, new=st.integers(1, 9000), kernel=st.sampled_from(KERNELS))
+def test_one_more_sequence_is_never_cheaper(lengths: list[int], new: int, kernel: str) -> None:
+    model = _model(kernel)
+    assert model.iteration_time([*lengths, new]) >= model.iteration_time(lengths) * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=LENGTHS)
+def test_split_k_is_the_cheapest_kernel_for_any_batch(lengths: list[int]) -> None:
+    split, per_seq, padded = (_model(k).iteration_time(lengths) for k in KERNELS)
+    assert split <= per_seq and split <= padded
+
+
+def test_skew_costs_per_seq_but_not_split_k_at_equal_work() -> None:
+    """DESIGN §1: 60 x 632 + 4 x 4696 tokens against 64 x 947 (the same total KV)."""
+    skewed = [632] * 60 + [4696] * 4
+    uniform = [sum(skewed) // 64] * 64
+    split, per_seq = _model("split-k"), _model("per-seq")
+    assert split.iteration_time(skewed) == pytest.approx(split.iteration_time(uniform),
+                                                         rel=1e-3)
+    assert per_seq.iteration_time(skewed) > 1.05 * per_seq.iteration_time(uniform)
+
+
+def test_decode_is_memory_bound_and_big_prefill_is_compute_bound() -> None:
+    model = _model("split-k")
+    overhead = 2e-3 + 1e-5  # CostParams defaults: per step + one seq
+    weights_time = model.weight_bytes / (3.35e12 * 0.8)
+    assert model.iteration_time([1]) == pytest.approx(weights_time + overhead, rel=0.01)
+    flops = model.features((), [(0, 2048)]).flops
+    assert model.prefill_time([2048]) == pytest.approx(flops / (989e12 * 0.6) + overhead,
+                                                       rel=1e-6)
+    assert model.prefill_time([2048]) > model.prefill_time([1024]) > model.prefill_time([16])
+
+
+def test_geometry_parameter_counts_match_the_model_names() -> None:
+    assert get_geometry("opt-13b").num_params / 1e9 == pytest.approx(12.85, rel=0.02)
+    assert get_geometry("opt-125m").num_params / 1e6 == pytest.approx(125, rel=0.02)
+    assert get_geometry("opt-30b").num_params / 1e9 == pytest.approx(30, rel=0.03)
+
+
+def test_kv_bytes_count_whole_blocks() -> None:
+    model = _model("split-k")
+    assert model.kv_bytes_per_token == 2 * 40 * 5120 * 2
+    assert model.kv_bytes(3, 16) == 3 * 16 * model.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("call", [lambda: get_geometry("gpt-2"), lambda: get_hardware("tpu"),
+                                  lambda: _model("flash"), lambda: CostParams(bw_efficiency=0)])
+def test_bad_names_and_values_raise_value_error(call: object) -> None:
+    with pytest.raises(ValueError):
+        call()  # type: ignore[operator]

@@ -1,0 +1,131 @@
+"""End to end: tiny simulations whose timings are checked by hand, and every policy through
+a KV-starved cluster (evictions) with all requests finished and every block freed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench.metrics import request_metrics
+from bench.sim import (
+    ClusterConfig,
+    CostModel,
+    CostParams,
+    cluster_for,
+    get_geometry,
+    get_hardware,
+    simulate,
+)
+from bench.sim.hardware import Hardware
+from bench.workloads import Workload, WorkloadRequest, synthetic
+
+SYSTEMS = ("aligned", "aligned-noprefetch", "fcfs", "continuous")
+FAST = 1e30  # bandwidths and rates so high that only the fixed step overhead counts
+EPS = 1e-6  # slack for the (FAST-sized) transfer and roofline times
+
+
+def _unit_cost() -> CostModel:
+    """Every iteration, prefill or decode, takes exactly 1 s; copies take ~0 s."""
+    hw = Hardware("test", memory_bandwidth=FAST, matmul_rate=FAST, num_sms=4,
+                  memory_bytes=FAST, host_link_bandwidth=FAST, device_link_bandwidth=FAST,
+                  host_memory_bytes=FAST)
+    params = CostParams(step_overhead=1.0, per_seq_overhead=0.0, bw_efficiency=1.0,
+                        flops_efficiency=1.0)
+    return CostModel(get_geometry("opt-tiny"), hw, params)
+
+
+def _workload(*reqs: tuple[str, int, int, float]) -> Workload:
+    return Workload("hand", tuple(WorkloadRequest(*r) for r in reqs))
+
+
+def _config(shared: bool = False, **kw: int) -> ClusterConfig:
+    devices = (("dev",), ("dev",)) if shared else (("p0",), ("d0",))
+    return ClusterConfig(prefill_devices=devices[0], decode_devices=devices[1], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_two_requests_by_hand(system: str) -> None:
+    """t=0 one prefill of both (1 s). b wanted 1 token: done at 1. a decodes 1->2, 2->3."""
+    result = simulate(_workload(("a", 4, 3, 0.0), ("b", 4, 1, 0.0)), system, _config(),
+                      _unit_cost())
+    by_id = {m.seq_id: m for m in request_metrics(result.events)}
+    a, b = by_id["a"], by_id["b"]
+    assert (a.ttft, b.ttft, b.e2e) == (pytest.approx(1.0), pytest.approx(1.0),
+                                       pytest.approx(1.0))
+    assert a.e2e == pytest.approx(3.0, abs=EPS) and a.tpot == pytest.approx(1.0, abs=EPS)
+    assert (a.num_output_tokens, b.num_output_tokens) == (3, 1)
+    summary = result.summary()
+    assert summary.decode_throughput == pytest.approx(4 / 3.0, rel=1e-5)
+    assert [it.batch_size for it in result.iterations][-2:] == [1, 1]
+    assert all(n == 0 for n in result.blocks_left.values())
+
+
+def test_pipeline_events_come_in_life_order() -> None:
+    result = simulate(_workload(("a", 4, 3, 0.0)), "aligned", _config(), _unit_cost())
+    kinds = [e.kind for e in sorted(result.events, key=lambda e: e.time)]
+    assert kinds == ["arrival", "prefill_start", "prefill_end", "first_token", "pooled",
+                     "prefetched", "decode_start", "token", "token", "finish"]
+
+
+@pytest.mark.parametrize(("shared", "a_end", "b_ttft", "b_end"),
+                         [(False, 3.0, 1.0, 4.0), (True, 4.0, 1.5, 5.0)])
+def test_instances_on_one_device_take_turns(shared: bool, a_end: float, b_ttft: float,
+                                            b_end: float) -> None:
+    """b arrives at 1.5. Separate devices: b's prefill runs 1.5-2.5 beside a's decode; a ends
+    at 3, then b decodes 3-4. One device: b's prefill waits for a's step (2-3), a's last step
+    runs 3-4, b's decode 4-5."""
+    result = simulate(_workload(("a", 4, 3, 0.0), ("b", 4, 2, 1.5)), "fcfs",
+                      _config(shared=shared), _unit_cost())
+    by_id = {m.seq_id: m for m in request_metrics(result.events)}
+    assert by_id["a"].finish == pytest.approx(a_end, abs=EPS)
+    assert by_id["b"].ttft == pytest.approx(b_ttft, abs=EPS)
+    assert by_id["b"].finish == pytest.approx(b_end, abs=EPS)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_kv_starved_cluster_evicts_yet_finishes_every_request(system: str) -> None:
+    workload = synthetic(40, short_ratio=0.7, short_range=(8, 40), long_range=(40, 120),
+                         output_range=(20, 80), seed=3)
+    config = _config(block_size=4, num_decode_blocks=64, num_prefill_blocks=64,
+                     num_staging_blocks=64, num_host_blocks=4096, min_requests=2)
+    result = simulate(workload, system, config, _unit_cost())
+    assert result.num_finished == workload.num_requests
+    tokens = {m.seq_id: m.num_output_tokens for m in request_metrics(result.events)}
+    assert tokens == {r.request_id: r.output_len for r in workload.requests}
+    assert Counter(e.kind for e in result.events)["evicted"] > 0
+    assert all(n == 0 for n in result.blocks_left.values())
+    num_instances = len(config.colocated_devices if system == "continuous"
+                        else config.decode_devices)
+    assert max(it.blocks_used["decode"] for it in result.iterations) <= 64 * num_instances
+
+
+def test_a_request_larger_than_the_decode_store_is_refused() -> None:
+    config = _config(block_size=4, num_decode_blocks=10)
+    with pytest.raises(ValueError, match="num_decode_blocks"):
+        simulate(_workload(("big", 40, 10, 0.0)), "aligned", config, _unit_cost())
+
+
+def test_a_request_larger_than_the_staging_buffer_is_refused_with_prefetch() -> None:
+    config = _config(block_size=4, num_staging_blocks=5)
+    with pytest.raises(ValueError, match="num_staging_blocks"):
+        simulate(_workload(("big", 16, 8, 0.0)), "aligned", config, _unit_cost())
+    assert simulate(_workload(("big", 16, 8, 0.0)), "aligned-noprefetch", config,
+                    _unit_cost()).num_finished == 1
+
+
+def test_unknown_system_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate(_workload(("a", 4, 3, 0.0)), "lifo", _config(), _unit_cost())
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_cluster_under_load_finishes_everything(system: str, seed: int) -> None:
+    """Regression: a want while a batch was in flight once made the batcher overwrite it."""
+    geometry, hw = get_geometry("opt-1.3b"), get_hardware("a100")
+    config = cluster_for(hw, geometry, 1, 2, min_requests=16)
+    workload = synthetic(80, rate=60.0, seed=seed)
+    result = simulate(workload, system, config, CostModel(geometry, hw, kernel="split-k"))
+    assert result.num_finished == workload.num_requests
+    assert all(n == 0 for n in result.blocks_left.values())
