@@ -88,6 +88,7 @@ class Engine:
                                  Outputs(model_config.eos_token_id),
                                  model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
+        self.ctx.outputs.on_finish = lambda seq: self._live.pop(seq.seq_id, None)
         self._build_actors(self.ctx)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         self.is_running = True
@@ -220,7 +221,6 @@ class Engine:
         finally:
             if not finished:
                 self.abort(request.request_id)
-            self._forget(request.request_id)
 
     def abort(self, request_id: str) -> None:
         """Ends a request wherever it is; its blocks are freed by the actor that holds it."""
@@ -233,12 +233,6 @@ class Engine:
         ctx.outputs.finish_requests.setdefault(request_id, status)
         for actor in self.actors:
             actor.send(Abort(request_id))
-
-    def _forget(self, request_id: str) -> None:
-        seq = self._live.get(request_id)
-        if seq is not None and seq.is_finished:
-            del self._live[request_id]
-            self._context.outputs.queues.pop(request_id, None)
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -253,7 +247,7 @@ class Engine:
         ctx = self._context
         return {"running": sum(1 for s in self._live.values()
                                if s.status >= SeqStatus.PREFILLING and not s.is_finished),
-                "waiting": self.num_waiting, "kv": ctx.kv.usage()}
+                "waiting": self.num_waiting, "live": len(self._live), "kv": ctx.kv.usage()}
 
     @property
     def events(self) -> list:  # type: ignore[type-arg]

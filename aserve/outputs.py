@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from aserve.core import Event, EventKind, IterationRecord, Sequence, SeqStatus, StepOutput
 
@@ -21,6 +22,7 @@ class Outputs:
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
+        self.on_finish: Callable[[Sequence], None] | None = None  # the engine's bookkeeping
 
     def event(self, seq_id: str, kind: EventKind, at: float | None = None) -> None:
         self.events.append(Event(seq_id, kind, time.perf_counter() if at is None else at))
@@ -56,6 +58,9 @@ class Outputs:
         self.event(seq.seq_id, "finish", at)
         self.finish_requests.pop(seq.seq_id, None)
         self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
+        self.queues.pop(seq.seq_id, None)
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     def _put(self, seq: Sequence, out: StepOutput) -> None:
         queue = self.queues.get(seq.seq_id)

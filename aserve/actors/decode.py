@@ -179,9 +179,13 @@ class DecodeActor(Actor):
             self.stop()
 
     def report_window(self, runnable: list[Sequence]) -> None:
-        lengths = [s.num_tokens for s in runnable]
-        window = (min(lengths), max(lengths))
-        if window != self.window and self.ctx.batcher is not None:
+        """Tells the batcher the current batch's length range (not the old batch's, which
+        would widen it), so pool requests the batch is passing through get staged."""
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        if not current or self.ctx.batcher is None:
+            return
+        window = (min(current), max(current))
+        if window != self.window:
             self.window = window
             room = self.store.allocator.num_free
             slots = self.ctx.config.scheduler.max_batch_size - len(self.running)

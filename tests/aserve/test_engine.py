@@ -28,7 +28,7 @@ async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParam
 async def settle(engine: Engine, timeout: float = 5.0) -> None:
     """Waits until every KV block on every location is free again."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while any(used for used, _ in engine.stats()["kv"].values()):
+    while engine.stats()["live"] or any(used for used, _ in engine.stats()["kv"].values()):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"KV blocks still in use: {engine.stats()['kv']}")
         await asyncio.sleep(0.01)
