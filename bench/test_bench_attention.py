@@ -1,0 +1,143 @@
+"""Benchmarks: decode attention per backend on uniform vs skewed batches, and a full
+opt-125m decode step beside its roofline floor measured in the same run. Prints tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
+from models.loader import build_preset
+
+pytestmark = pytest.mark.bench
+
+BLOCK_SIZE = 16  # tokens per KV block
+NUM_HEADS, HEAD_DIM = 12, 64  # opt-125m head geometry
+CONTEXT = 128  # cached tokens per sequence before the timed decode step
+REPEATS = 7
+BATCHES = {  # name -> KV lengths; the first two hold 40448 KV tokens each
+    "uniform 64x632": [632] * 64,
+    "skewed 60x400+4x4112 (same total)": [400] * 60 + [4112] * 4,
+    "skewed 60x632+4x4696 (1.40x total)": [632] * 60 + [4696] * 4,
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:9.2f} [{self.min_ms:.2f}-{self.max_ms:.2f}]"
+
+
+def measure(fn: Callable[[], object], repeats: int = REPEATS) -> Timing:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return Timing(statistics.median(times), min(times), max(times))
+
+
+def paged_inputs(lens: list[int], num_layers: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, list[list[int]]]:
+    """A KV cache with every sequence's blocks, in shuffled block order, and its tables."""
+    counts = [-(-n // BLOCK_SIZE) for n in lens]
+    ids = (torch.randperm(sum(counts), generator=torch.Generator().manual_seed(0)) + 1).tolist()
+    tables, start = [], 0
+    for count in counts:
+        tables.append(ids[start:start + count])
+        start += count
+    shape = (sum(counts) + 1, num_layers, 2, BLOCK_SIZE, num_heads, head_dim)
+    return torch.randn(shape, dtype=dtype), tables
+
+
+def test_decode_attention_uniform_vs_skewed() -> None:
+    print("\nDecode attention, one layer, batch 64, 12 heads x 64, block 16 "
+          "(ms: median [min-max] of", REPEATS, "repeats)")
+    print(f"{'backend':8} {'dtype':9} {'batch':36} {'kv tokens':>9} {'ms':>24} {'vs uniform':>10}")
+    for dtype_name, dtype in DTYPES.items():
+        for backend_name in BACKEND_NAMES:
+            backend, base = get_backend(backend_name), 0.0
+            for batch_name, lens in BATCHES.items():
+                kv_cache, tables = paged_inputs(lens, 1, NUM_HEADS, HEAD_DIM, dtype)
+                q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, dtype=dtype)
+                meta = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK_SIZE, "cpu")
+
+                def step() -> torch.Tensor:
+                    meta.workspace.clear()  # count the per-forward index build too
+                    return backend.forward(q, kv_cache, 0, meta, HEAD_DIM ** -0.5)
+
+                with torch.inference_mode():
+                    timing = measure(step, 5)
+                base = base or timing.median_ms
+                print(f"{backend_name:8} {dtype_name:9} {batch_name:36} {sum(lens):9} "
+                      f"{timing!s:>24} {timing.median_ms / base:9.2f}x")
+
+
+def matmul_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of a big square matmul in `dtype`."""
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n ** 3 / (measure(lambda: a @ b).median_ms / 1e3)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s read + written by a 256 MB tensor copy."""
+    src = torch.ones(64 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (measure(lambda: dst.copy_(src)).median_ms / 1e3)
+
+
+def step_cost(model: torch.nn.Module, batch: int, dtype: torch.dtype) -> tuple[float, float]:
+    """FLOPs and bytes read of one decode step: weights once, each sequence's KV once."""
+    cfg = model.config
+    matmul_params = sum(p.numel() for n, p in model.named_parameters()
+                        if p.dim() == 2 and "embed_positions" not in n)
+    kv_elems = batch * (CONTEXT + 1) * 2 * cfg.hidden_size * cfg.num_layers
+    flops = 2 * batch * matmul_params + 2 * kv_elems
+    weight_bytes = sum(p.numel() for n, p in model.named_parameters()
+                       if "embed_positions" not in n) * dtype.itemsize
+    return flops, weight_bytes + kv_elems * dtype.itemsize
+
+
+def test_opt125m_decode_step_vs_roofline() -> None:
+    bandwidth = copy_bandwidth()
+    print(f"\nopt-125m decode step (metadata + forward + logits), context {CONTEXT}, paged; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write)")
+    print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'GFLOP/s':>9} {'floor ms':>9} "
+          f"{'(flop/byte)':>14} {'x floor':>8}")
+    for dtype_name, dtype in DTYPES.items():
+        model, cfg = build_preset("opt-125m", dtype, "cpu")
+        rate = matmul_rate(dtype)
+        for batch in (1, 16, 64):
+            kv_cache, tables = paged_inputs([CONTEXT + 1] * batch, cfg.num_layers,
+                                            cfg.num_heads, cfg.head_dim, dtype)
+            ids = torch.randint(3, cfg.vocab_size, (batch,))
+            positions = torch.full((batch,), CONTEXT)
+            backend = get_backend("paged")
+
+            def step() -> torch.Tensor:
+                meta = AttentionMetadata.build([1] * batch, [CONTEXT + 1] * batch, tables,
+                                               BLOCK_SIZE, "cpu")
+                return model.compute_logits(model(ids, positions, kv_cache, meta, backend))
+
+            with torch.inference_mode():
+                timing = measure(step)
+            flops, num_bytes = step_cost(model, batch, dtype)
+            flop_ms, byte_ms = flops / rate * 1e3, num_bytes / bandwidth * 1e3
+            floor = max(flop_ms, byte_ms)
+            print(f"{dtype_name:9} {batch:5} {timing!s:>24} {flops / timing.median_ms / 1e6:9.1f} "
+                  f"{floor:9.2f} {f'({flop_ms:.1f}/{byte_ms:.1f})':>14} "
+                  f"{timing.median_ms / floor:7.2f}x")
+        print(f"{dtype_name}: matmul rate {rate / 1e9:.1f} GFLOP/s (2048^3)")
