@@ -14,6 +14,7 @@ import torch
 
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.loader import build_preset
+from models.opt import OPTForCausalLM
 
 pytestmark = pytest.mark.bench
 
@@ -99,7 +100,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (measure(lambda: dst.copy_(src)).median_ms / 1e3)
 
 
-def step_cost(model: torch.nn.Module, batch: int, dtype: torch.dtype) -> tuple[float, float]:
+def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[float, float]:
     """FLOPs and bytes read of one decode step: weights once, each sequence's KV once."""
     cfg = model.config
     matmul_params = sum(p.numel() for n, p in model.named_parameters()
@@ -108,7 +109,7 @@ def step_cost(model: torch.nn.Module, batch: int, dtype: torch.dtype) -> tuple[f
     flops = 2 * batch * matmul_params + 2 * kv_elems
     weight_bytes = sum(p.numel() for n, p in model.named_parameters()
                        if "embed_positions" not in n) * dtype.itemsize
-    return flops, weight_bytes + kv_elems * dtype.itemsize
+    return float(flops), float(weight_bytes + kv_elems * dtype.itemsize)
 
 
 def test_opt125m_decode_step_vs_roofline() -> None:
