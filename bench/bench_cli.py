@@ -1,0 +1,256 @@
+"""`aserve bench`: replays a workload against engine systems (policy x attention backend),
+the transformers peer and any OpenAI-compatible server, one after another in one process,
+then writes JSON, Markdown, per-system iteration logs (JSON lines) and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from aserve.config import EngineConfig
+from aserve.offline import run as run_async
+from bench import report
+from bench.harness import (
+    ENGINE_POLICIES,
+    RunResult,
+    Sizing,
+    SystemSpec,
+    model_config,
+    run_engine,
+    size_engine,
+    workload_prompts,
+    write_iteration_log,
+)
+from bench.metrics import Summary, request_metrics
+from bench.workloads import WORKLOADS, Workload, load_workload
+
+PEERS = ("transformers", "transformers-cb")  # static `generate` batches, continuous batching
+HTTP_SYSTEM = "http"  # the server at --url, in client mode
+DEFAULT_LENGTH_SCALE = 0.125  # CPU scale: the paper's lengths / 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """How every system of one benchmark run is built and fed."""
+
+    model: str = "opt-125m"
+    dtype: str = "bfloat16"
+    seed: int = 0  # preset weights and prompt token ids
+    batch_requests: int = 32  # decode KV holds about this many median requests
+    realtime: bool = True  # replay arrival times (False: everything at time 0)
+    url: str | None = None  # client mode: an OpenAI-compatible server
+    api_key: str | None = None
+    served_model: str | None = None  # model name on that server (default: its first)
+
+
+@dataclasses.dataclass(slots=True)
+class WorkloadRun:
+    """All systems' results on one workload, with the engine sizing they shared."""
+
+    workload: Workload
+    sizing: Sizing
+    results: list[RunResult]
+
+    @property
+    def summaries(self) -> list[Summary]:
+        return [r.summary() for r in self.results]
+
+
+def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
+    """Engine policies expand over the attention backends (`aligned/paged`); peer and
+    `http` names stay as they are. Raises ValueError naming an unknown system."""
+    names: list[str] = []
+    for system in systems:
+        if system in ENGINE_POLICIES:
+            names.extend(SystemSpec(system, a).name for a in attention)
+        elif system in PEERS or system == HTTP_SYSTEM:
+            names.append(system)
+        else:
+            known = ", ".join((*ENGINE_POLICIES, *PEERS, HTTP_SYSTEM))
+            raise ValueError(f"system ({system!r}) must be one of {known}")
+    return names
+
+
+def run_workload(workload: Workload, systems: Sequence[str], settings: BenchSettings,
+                 on_finish: Callable[[], None] | None = None) -> WorkloadRun:
+    """Runs each named system on the workload, one after another, same prompts."""
+    arch = model_config(settings.model)
+    sizing = size_engine(workload, arch, settings.dtype, settings.batch_requests)
+    prompts = workload_prompts(workload, arch.vocab_size, settings.seed)
+    results = [run_system(name, workload, prompts, sizing, settings, on_finish)
+               for name in systems]
+    return WorkloadRun(workload, sizing, results)
+
+
+def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: Sizing,
+               settings: BenchSettings, on_finish: Callable[[], None] | None) -> RunResult:
+    """One system on one workload; see `system_names` for the names."""
+    s = settings
+    if name == HTTP_SYSTEM:
+        from bench.http_client import run_http
+
+        if s.url is None:
+            raise ValueError("system 'http' needs --url")
+        return run_async(run_http(s.url, workload, prompts, s.realtime, s.served_model,
+                                  s.api_key, on_finish=on_finish))
+    if name in PEERS:
+        from bench import peers
+
+        model = peers.build_hf_model(s.model, s.dtype, s.seed)
+        run = peers.run_static_generate if name == "transformers" else peers.run_continuous_batching
+        return run(model, workload, prompts, s.realtime, system=name, on_finish=on_finish)
+    policy, attention = name.split("/")
+    config = EngineConfig.create(model=s.model, dtype=s.dtype, seed=s.seed, policy=policy,
+                                 attention=attention, **sizing.options())
+    return run_async(run_engine(workload, prompts, config, name, s.realtime, on_finish))
+
+
+def build_workloads(args: argparse.Namespace, max_len: int) -> list[Workload]:
+    """One workload per --short-ratio (a sweep when several), else the named trace."""
+    common = dict(num_requests=args.num_requests, length_scale=args.length_scale,
+                  max_len=max_len, seed=args.seed)
+    if args.workload == "synthetic":
+        return [load_workload("synthetic", short_ratio=ratio, rate=args.rate, **common)
+                for ratio in args.short_ratio]
+    if args.workload == "sharegpt4":
+        return [load_workload("sharegpt4", rate=args.rate, **common)]
+    workload = load_workload(args.workload, **common)
+    return [workload.with_rate(args.rate) if args.rate else workload]
+
+
+def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
+                  settings: BenchSettings) -> str:
+    """JSON (`{"config", "results"}`, each row naming its workload), Markdown, iteration
+    logs and plots; returns the Markdown tables."""
+    secret = ("api_key",)  # never written to results
+    config = {**{k: v for k, v in dataclasses.asdict(settings).items() if k not in secret},
+              **{k: v for k, v in vars(args).items() if k not in ("json", "plots", *secret)},
+              "machine": machine(), "load_average": list(os.getloadavg()),
+              "sizing": {r.workload.name: dataclasses.asdict(r.sizing) for r in runs}}
+    rows = [{**report.summary_row(s), "workload": r.workload.name}
+            for r in runs for s in r.summaries]
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": config, "results": rows}, indent=2, default=str,
+                              allow_nan=False) + "\n")
+    tables = "\n".join(f"### {r.workload.name}\n\n" + markdown(r.summaries) for r in runs)
+    out.with_suffix(".md").write_text(tables)
+    log_dir = out.with_suffix(".iterations")
+    log_dir.mkdir(exist_ok=True)
+    for run in runs:
+        for result in (r for r in run.results if r.iterations):
+            header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
+                      "system": result.system, "workload": run.workload.name}
+            file = f"{run.workload.name}__{result.system.replace('/', '-')}.jsonl"
+            write_iteration_log(log_dir / file, header, result.iterations)
+    if args.plots:
+        write_plots(Path(args.plots), runs, args, settings)
+    return tables
+
+
+def markdown(summaries: Sequence[Summary]) -> str:
+    """The summary table with ratios against fcfs and against continuous, when present."""
+    systems = [s.system for s in summaries]
+    bases: list[str | None] = [b for b in ("fcfs/paged", "continuous/paged") if b in systems]
+    return "\n".join(report.markdown_table(summaries, baseline=b) for b in bases or [None])
+
+
+def machine() -> str:
+    return f"{os.cpu_count()}-core CPU (shared)"
+
+
+def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namespace,
+                settings: BenchSettings) -> None:
+    """Figs. 7 (when sweeping), 8-10, 11, 13, 14 and 15 from this run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    last = runs[-1]
+    caption = report.Caption(machine(), f"{settings.model} {settings.dtype} (random weights)",
+                             f"{last.workload.num_requests} requests, "
+                             f"length_scale={args.length_scale:g}")
+    engine = [r for r in last.results if r.iterations]
+    report.plot_ttft_cdf(folder / "fig15_ttft_cdf.png",
+                         {r.system: request_metrics(r.events) for r in last.results}, caption)
+    report.plot_forward_time_cdf(folder / "fig13_forward_time_cdf.png",
+                                 {r.system: r.iterations for r in engine}, caption)
+    report.plot_schedule_time_cdf(folder / "fig11_schedule_time_cdf.png",
+                                  {r.system: r.iterations for r in engine}, caption)
+    report.plot_workload_comparison(folder / "fig8_workloads.png",
+                                    {r.workload.name: r.summaries for r in runs}, caption)
+    thr = {s.system: s.decode_throughput for s in last.summaries}
+    if "fcfs/paged" in thr:
+        report.plot_ablation(folder / "fig14_ablation.png",
+                             {k: v for k, v in thr.items() if not math.isnan(v)}, caption,
+                             baseline="fcfs/paged")
+    if len(runs) > 1 and args.workload == "synthetic":
+        series = {name: [next(s.decode_throughput for s in r.summaries if s.system == name)
+                         for r in runs] for name in (s.system for s in runs[0].summaries)}
+        report.plot_throughput_by_short_share(folder / "fig7_short_share.png",
+                                              args.short_ratio, series, caption)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aserve bench", description=__doc__)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")
+    p.add_argument("--short-ratio", type=_floats, default=[0.95],
+                   help="share of short requests (synthetic); a comma list sweeps (Fig. 7)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE)
+    p.add_argument("--rate", type=float, default=None,
+                   help="req/s (Poisson for synthetic/sharegpt4, rescaled trace for azure)")
+    p.add_argument("--offline", action="store_true", help="every request arrives at time 0")
+    p.add_argument("--systems", type=_names, default=["aligned", "fcfs"])
+    p.add_argument("--attention", type=_names, default=["paged"])
+    p.add_argument("--model", default="opt-125m")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-requests", type=int, default=32)
+    p.add_argument("--url", default=None, help="client mode: benchmark this server too")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model", default=None)
+    p.add_argument("--json", required=True, help="results file (.md and .iterations/ beside)")
+    p.add_argument("--plots", default=None, help="folder for the PNG figures")
+    return p
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `aserve bench`; prints the summary tables at the end."""
+    # NOTE: `aserve bench -- --opts` is how argparse's REMAINDER passes leading options.
+    args = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)
+    settings = BenchSettings(model=args.model, dtype=args.dtype, seed=args.seed,
+                             batch_requests=args.batch_requests, realtime=not args.offline,
+                             url=args.url, api_key=args.api_key,
+                             served_model=args.served_model)
+    try:
+        systems = system_names(args.systems + ([HTTP_SYSTEM] if args.url else []),
+                               args.attention)
+        workloads = build_workloads(args, model_config(args.model).max_position_embeddings)
+    except ValueError as exc:
+        print(f"aserve bench: error: {exc}")
+        return 2
+    total = sum(w.num_requests for w in workloads) * len(systems)
+    with tqdm(total=total, unit="req", desc="aserve bench") as bar:
+        runs = [run_workload(w, systems, settings, lambda: bar.update(1)) for w in workloads]
+    print(write_outputs(runs, args, settings))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
