@@ -3,8 +3,12 @@
 The pool indexes pooled requests through the real policy object. The batcher asks it for
 the next batch whenever a decode instance's candidate batch buffer is empty, and for
 requests matching a running batch's length window (dynamic prefetch), and prefetches their
-KV into the instance's staging buffer over the prefill device's host link, one batch at a
-time; a request the staging buffer cannot take stays in host memory.
+KV into the instance's staging buffer over the prefill device's host link; a request the
+staging buffer cannot take stays in host memory.
+
+NOTE: prefetches for different instances overlap (each link queues its own copies), as in
+the paper. The engine's BatcherActor awaits each prefetch before the next decision, which
+at paper scale would make one PCIe link the bound of the whole cluster.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class Window(NamedTuple):
 
 
 class Batcher(SimActor):
-    """Forms candidate batches and fills candidate request buffers, one prefetch at a time."""
+    """Forms candidate batches and fills candidate request buffers."""
 
     def __init__(self, ctx: SimContext, pool: Pool) -> None:
         super().__init__(ctx.loop)
@@ -113,14 +117,13 @@ class Batcher(SimActor):
         self.wake()
 
     def act(self) -> None:
-        """One prefetch at a time: a batch for a waiting instance first, else matching."""
-        if self._fill_one():
-            return
+        """Batches for every waiting instance the pool can serve, then matching requests."""
+        while self._fill_one():
+            pass
         while self.pending:
             instance = min(self.pending)
             self.pending.discard(instance)
-            if self._match(instance):
-                return
+            self._match(instance)
 
     def _fill_one(self) -> bool:
         """Gives one waiting decode instance a batch, if the pool has one for it."""
@@ -178,7 +181,6 @@ class Batcher(SimActor):
                 done = ctx.copy(link, done, num_blocks)
                 seq.status = STAGED
                 ctx.recorder.event(seq, "prefetched", done)
-        self.is_busy = True
         ctx.loop.at(done, lambda: self._delivered(deliver, batch_id, seqs, done > now))
 
     def _deliver_batch(self, batch_id: int, seqs: list[SimSeq]) -> None:
@@ -188,8 +190,6 @@ class Batcher(SimActor):
 
     def _delivered(self, deliver: Deliver, batch_id: int, seqs: list[SimSeq],
                    freed_host: bool) -> None:
-        self.is_busy = False
         if freed_host:
             self.pool.notify_space()
         deliver(batch_id, seqs)
-        self.act()
