@@ -229,7 +229,12 @@ def get_backend(name: str) -> AttentionBackend:
         return PagedBackend()
     if name == "padded":
         return PaddedBackend()
-    raise ValueError(f"attention backend {name!r} is unknown; valid: {', '.join(BACKEND_NAMES)}")
+    if name in ("triton", "triton-splitk"):
+        from models.triton_attention import get_triton_backend  # lazy: triton is optional
+
+        return get_triton_backend(name)
+    valid = ", ".join((*BACKEND_NAMES, "triton", "triton-splitk"))
+    raise ValueError(f"attention backend {name!r} is unknown; valid: {valid}")
 
 
 @dataclass(frozen=True, slots=True)
