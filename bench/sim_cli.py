@@ -181,13 +181,14 @@ def _plots(folder: Path, results: dict[str, list[SimResult]],
 
 def calibrate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="aserve sim calibrate")
-    parser.add_argument("records", help="JSON lines of iteration records (+ header)")
+    parser.add_argument("records", nargs="+",
+                        help="iteration logs (JSON lines: header + records), one per system")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default=None, help="default: the header's model")
     parser.add_argument("--hardware", default=None, help="default: the header's, else cpu")
     parser.add_argument("--kernel", default=None, help="default: from the header's attention")
     args = parser.parse_args(argv)
-    header, records = load_records(args.records)
+    header, records = load_all(args.records)
     kernel = args.kernel or ATTENTION_KERNELS.get(str(header.get("attention", "paged")),
                                                   "split-k")
     calibration = fit(records, model=args.model or str(header.get("model", "opt-125m")),
@@ -200,13 +201,25 @@ def calibrate_main(argv: list[str]) -> int:
     return 0
 
 
+def load_all(paths: list[str]) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """Records of several iteration logs (one per system) under the first file's header."""
+    header: dict[str, object] = {}
+    records: list[dict[str, object]] = []
+    for path in paths:
+        file_header, file_records = load_records(path)
+        header = header or file_header
+        records += file_records
+    return header, records
+
+
 def validate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="aserve sim validate")
     add_workload_args(parser)
-    parser.add_argument("--records", required=True, help="calibration run (JSON lines)")
+    parser.add_argument("--records", required=True, nargs="+",
+                        help="iteration logs of the calibration run (JSON lines)")
     parser.add_argument("--measured", required=True, help="benchmark JSON of the run to predict")
     args = parser.parse_args(argv)
-    header, records = load_records(args.records)
+    header, records = load_all(args.records)
     measured = json.loads(Path(args.measured).read_text())["results"]
     validate(header, records, measured, build_workload(args))
     return 0
