@@ -62,7 +62,7 @@ class Plan:
     repeats: int  # timed calls per measurement (median reported)
     copy_bytes: int  # bytes of the bandwidth probe's buffer
     engine_timeout_s: float
-    budget_s: float  # sections starting after this many seconds are skipped
+    budget_s: float  # sections (and engine runs) starting after this many seconds are skipped
     test_timeout_s: float
 
 
@@ -221,7 +221,7 @@ def _step_fns(plan: Plan, model: OPTForCausalLM, ids: torch.Tensor, positions: t
     return fns
 
 
-def engine_summaries(plan: Plan) -> list[Summary | str]:
+def engine_summaries(plan: Plan, deadline: float) -> list[Summary | str]:
     """Each policy on a synthetic 95 %-short workload, per Triton backend (offline arrivals)."""
     workload = synthetic(plan.num_requests, 0.95, plan.short_range, plan.long_range,
                          plan.output_range, seed=0)
@@ -236,10 +236,13 @@ def engine_summaries(plan: Plan) -> list[Summary | str]:
                 model=plan.engine_model, dtype=plan.dtype, attention=backend, policy=policy,
                 prefill_devices=plan.device, decode_devices=plan.device, **sizing.options())
             system = f"{policy}/{backend}"
+            if time.perf_counter() > deadline:
+                out.append(f"{system}: skipped, out of time")
+                continue
             try:
                 result = run(asyncio.wait_for(
                     run_engine(workload, prompts, config, system, realtime=False),
-                    plan.engine_timeout_s))
+                    min(plan.engine_timeout_s, deadline + 30 - time.perf_counter())))
                 out.append(result.summary())
             except Exception as exc:  # noqa: BLE001 -- reported as a failed row
                 out.append(f"{system}: {type(exc).__name__}: {exc}")
@@ -283,12 +286,12 @@ def _cell(value: object) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
 
 
-def tests_section(plan: Plan, report: dict[str, object]) -> str:
+def tests_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
     report["tests"] = result = run_gpu_tests(plan)
     return f"## gpu-marked tests: rc {result['rc']}\n\n```\n{result['tail']}\n```\n"
 
 
-def attention_section(plan: Plan, report: dict[str, object]) -> str:
+def attention_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
     bandwidth = float(report["bandwidth_bytes_per_s"])  # type: ignore[arg-type]
     rows = [r for m in plan.models for r in attention_rows(plan, m, bandwidth)]
     report["attention"] = rows
@@ -301,7 +304,7 @@ def attention_section(plan: Plan, report: dict[str, object]) -> str:
     return f"## decode attention, one layer, {plan.dtype}\n\n{_table(header, cells)}"
 
 
-def steps_section(plan: Plan, report: dict[str, object]) -> str:
+def steps_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
     bandwidth = float(report["bandwidth_bytes_per_s"])  # type: ignore[arg-type]
     rows = [r for m in plan.models for r in step_rows(plan, m, bandwidth)]
     report["steps"] = rows
@@ -311,8 +314,8 @@ def steps_section(plan: Plan, report: dict[str, object]) -> str:
     return f"## decode step vs bandwidth floor, {plan.dtype}\n\n{_table(header, cells)}"
 
 
-def engine_section(plan: Plan, report: dict[str, object]) -> str:
-    results = engine_summaries(plan)
+def engine_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
+    results = engine_summaries(plan, deadline)
     report["engine"] = [summary_row(s) if isinstance(s, Summary) else s for s in results]
     parts = [f"## engine, {plan.engine_model}, synthetic 95 % short, {plan.num_requests} "
              "requests (offline)\n"]
@@ -340,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    deadline = start + plan.budget_s
     skipped: list[str] = []
     report: dict[str, object] = {"environment": environment(plan), "skipped": skipped}
     bandwidth = copy_bandwidth(torch.device(plan.device), plan.copy_bytes, plan.repeats)
@@ -347,11 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# GPU check\n\n`{json.dumps(report['environment'])}`\n",
           f"## memory bandwidth (copy, read + write): {bandwidth / 1e9:.1f} GB/s\n"]
     for name, section in SECTIONS.items():
-        if (name == "tests" and args.skip_tests) or time.perf_counter() - start > plan.budget_s:
+        if (name == "tests" and args.skip_tests) or time.perf_counter() > deadline:
             skipped.append(name)
             continue
         print(f"[gpu_check] {name} at {time.perf_counter() - start:.0f} s", flush=True)
-        md.append(section(plan, report))
+        md.append(section(plan, report, deadline))
         _write(out, report, md)
     report["total_s"] = time.perf_counter() - start
     _write(out, report, md)

@@ -44,4 +44,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m bench.gpu_check --out "$DEST" "${ARGS[@]}"
+exec "$PY" -m bench.gpu_check --out "$DEST" ${ARGS[@]+"${ARGS[@]}"}
