@@ -180,7 +180,9 @@ def _rank(probs: Tensor, st: SamplingTensors, width: int) -> _Ranking:
     is_kept = positions < k.unsqueeze(1)  # [num_seqs, width]
     is_kept &= (mass - ranked) < (top_p * kept_mass).unsqueeze(1)
     is_covered = has_top_k | (st.top_ps >= 1) | (mass[:, -1] >= top_p * kept_mass)
-    return _Ranking(ranked, is_kept.sum(dim=-1), is_covered)
+    # NOTE: a top_p below float32's smallest subnormal rounds to 0 and would keep nothing;
+    # the most likely token is always kept.
+    return _Ranking(ranked, is_kept.sum(dim=-1).clamp(min=1), is_covered)
 
 
 def _inverse_cdf(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
