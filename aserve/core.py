@@ -13,6 +13,7 @@ from typing import Literal, NewType
 import msgspec
 
 SeqId = NewType("SeqId", str)
+MAX_INT64 = 2**63 - 1  # sampling values become torch int64 tensors
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,8 +41,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"temperature ({self.temperature}) must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p ({self.top_p}) must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k ({self.top_k}) must be -1 (off) or >= 0")
+        if not -1 <= self.top_k <= MAX_INT64:
+            raise ValueError(f"top_k ({self.top_k}) must be -1 (off) or in [0, {MAX_INT64}]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
