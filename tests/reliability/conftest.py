@@ -1,0 +1,97 @@
+"""Shared helpers of the reliability tests: single-threaded torch, block accounting, and an
+in-process server that synchronous (hypothesis) tests drive on their own event loop.
+
+NOTE: torch's intra-op threads spin when the 2 cores are shared: a tiny forward then takes
+~300 ms instead of ~2 ms, so these tests pin torch to one thread while they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TypeVar
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from aserve.config import EngineConfig, ServerConfig
+from aserve.engine import Engine
+from aserve.server import ENGINE, create_app
+from tests.aserve.test_engine import settle
+
+T = TypeVar("T")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread_torch() -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class BlockLedger:
+    """Counts, per KV store and owner, every allocation and every free of an engine's
+    allocators, so that a test can prove each block table was freed exactly once."""
+
+    def __init__(self, engine: Engine) -> None:
+        assert engine.ctx is not None, "start the engine first"
+        self.allocs: Counter[tuple[str, str]] = Counter()
+        self.frees: Counter[tuple[str, str]] = Counter()
+        for name, store in engine.ctx.kv.stores.items():
+            allocator = store.allocator
+            allocator.allocate = self._wrap(name, allocator.allocate, self.allocs)  # type: ignore[method-assign]
+            allocator.free = self._wrap(name, allocator.free, self.frees)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _wrap(name: str, fn: Callable[..., object],
+              counts: Counter[tuple[str, str]]) -> Callable[..., object]:
+        def counted(owner: str, *args: object) -> object:
+            result = fn(owner, *args)
+            if result is not None:
+                counts[(name, owner)] += 1
+            return result
+        return counted
+
+    def unbalanced(self, seq_id: str | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+        """(store, owner) -> (allocations, frees) wherever the two differ."""
+        keys = set(self.allocs) | set(self.frees)
+        return {k: (self.allocs[k], self.frees[k]) for k in keys
+                if self.allocs[k] != self.frees[k] and seq_id in (None, k[1])}
+
+    def stores_of(self, seq_id: str) -> set[str]:
+        return {name for name, owner in self.allocs if owner == seq_id}
+
+
+class SyncServer:
+    """`create_app` behind aiohttp's test client on a private event loop, for synchronous
+    tests (hypothesis drives them); the engine's actors run whenever the loop does."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.client: TestClient = self.run(_started_client(engine_config, server_config))
+
+    def run(self, coro: Coroutine[object, object, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    @property
+    def engine(self) -> Engine:
+        return self.client.server.app[ENGINE]
+
+    def settle(self) -> None:
+        """Waits until every request has ended and every KV block is free."""
+        self.run(settle(self.engine, timeout=30))
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self.loop.close()
+
+
+async def _started_client(engine_config: EngineConfig,
+                          server_config: ServerConfig) -> TestClient:
+    client = TestClient(TestServer(create_app(engine_config, server_config)))
+    await client.start_server()
+    return client
