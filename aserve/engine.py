@@ -170,9 +170,11 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        ctx = self._context
-        actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
-        return sum(len(a.waiting) for a in actors)  # type: ignore[attr-defined]
+        """Requests submitted whose prefill has not started.
+
+        NOTE: counted from the sequences, not the actors' queues: Submit messages still in
+        an inbox (the actor busy with a forward pass) wait too, and a burst must see them."""
+        return sum(1 for seq in self._live.values() if seq.status == SeqStatus.WAITING)
 
     def submit(self, request: Request) -> asyncio.Queue[StepOutput]:
         """Hands a validated request to the engine; returns its output queue."""
