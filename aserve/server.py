@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aserve.config import EngineConfig, ServerConfig
 from aserve.core import Request, RequestOutput
 from aserve.engine import Engine
-from aserve.errors import EngineError
+from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
 from aserve.protocol import (
     ChoiceBuilder,
@@ -186,7 +186,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return _error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
                                code=exc.reason.lower().replace(" ", "_"))
     except EngineError as exc:
-        return _error_response(503, str(exc), code="engine_unavailable")
+        code = "overloaded" if isinstance(exc, EngineOverloaded) else "engine_unavailable"
+        return _error_response(503, str(exc), code=code)
     except ConnectionResetError:  # the client left; completions() aborted its requests
         raise
     except Exception:
