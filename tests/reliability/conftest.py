@@ -8,6 +8,7 @@ NOTE: torch's intra-op threads spin when the 2 cores are shared: a tiny forward 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TypeVar
@@ -31,6 +32,12 @@ def single_thread_torch() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class BlockLedger:
