@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.config import EngineConfig, ServerConfig
 from aserve.engine import Engine
+from aserve.runner import WorkItem
 from aserve.server import ENGINE, create_app
 from tests.aserve.test_engine import settle
 
@@ -71,6 +72,46 @@ class BlockLedger:
 
     def stores_of(self, seq_id: str) -> set[str]:
         return {name for name, owner in self.allocs if owner == seq_id}
+
+
+class Gate:
+    """Holds the calls of an async method of `obj` for which `when(*args)` holds until
+    `open()`: a test parks an actor at a chosen point and inspects the engine meanwhile."""
+
+    def __init__(self, obj: object, method: str,
+                 when: Callable[..., bool] = lambda *args: True) -> None:
+        self.entered = asyncio.Event()  # set once a call is being held
+        self._is_open = asyncio.Event()
+        original = getattr(obj, method)
+
+        async def gated(*args: object) -> object:
+            if not self._is_open.is_set() and when(*args):
+                self.entered.set()
+                await self._is_open.wait()
+            return await original(*args)
+
+        setattr(obj, method, gated)
+
+    def open(self) -> None:
+        self._is_open.set()
+
+
+def is_prefill(items: list[WorkItem], *rest: object) -> bool:
+    """Whether a runner step computes some sequence's prompt (a prefill)."""
+    return any(item.start == 0 for item in items)
+
+
+def is_decode(items: list[WorkItem], *rest: object) -> bool:
+    return not is_prefill(items)
+
+
+async def wait_for_event(engine: Engine, seq_id: str, kind: str, timeout: float = 10) -> None:
+    """Waits until the engine has recorded lifecycle event `kind` for `seq_id`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not any(e.seq_id == seq_id and e.kind == kind for e in engine.events):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{seq_id} never reached {kind!r}")
+        await asyncio.sleep(0.005)
 
 
 class SyncServer:
