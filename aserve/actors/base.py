@@ -103,6 +103,18 @@ class Actor:
         self.ctx.kv.release(seq)
         self.ctx.outputs.finish(seq, status, error)
 
+    async def move(self, seq: Sequence, dst_name: str) -> bool:
+        """`KVSpace.move`, except that a failed copy (or a store refusing the allocation)
+        fails `seq` alone: it ends with finish_reason="error" and its blocks are freed.
+
+        Returns False when the destination is full or the move failed; the caller tells the
+        two apart by `seq.is_finished`."""
+        try:
+            return await self.ctx.kv.move(seq, dst_name)
+        except Exception as exc:
+            self.finish(seq, SeqStatus.FINISHED_ERROR, self.record_error(exc))
+            return False
+
     def reap(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finishes the sequences an abort or stop string asked to end, frees their blocks,
         and returns those still live, in order."""

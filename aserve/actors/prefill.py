@@ -106,8 +106,8 @@ class PrefillActor(Actor):
         """Moves prefilled KV to the host pool, in order, until the pool is full."""
         while self.blocked:
             seq = self.blocked[0]
-            if self.reap([seq]) and not await self.ctx.kv.move(seq, "host"):
-                return
+            if self.reap([seq]) and not await self.move(seq, "host") and not seq.is_finished:
+                return  # the host pool is full: wait for PoolSpace
             self.blocked.popleft()
             if seq.is_finished:
                 continue
