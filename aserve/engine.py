@@ -91,7 +91,21 @@ class Engine:
         self.ctx.outputs.on_finish = lambda seq: self._live.pop(seq.seq_id, None)
         self._build_actors(self.ctx)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
+        for task in self._tasks:
+            task.add_done_callback(self._on_actor_exit)
         self.is_running = True
+
+    def _on_actor_exit(self, task: asyncio.Task[None]) -> None:
+        """An actor's loop ended. Outside `stop()` it died: it is recorded for /health, and
+        every request in flight ends with an error naming it (its stream would hang)."""
+        if not self.is_running:
+            return
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        actor = next(a for a in self.actors if a.name == task.get_name())
+        error = f"actor {actor.name} died: " + actor.record_error(
+            exc or EngineError("its loop returned"))
+        for seq in list(self._live.values()):
+            self._context.outputs.finish(seq, SeqStatus.FINISHED_ERROR, error)
 
     def _build_actors(self, ctx: EngineContext) -> None:
         if not ctx.policy.uses_pool:
@@ -181,6 +195,8 @@ class Engine:
         ctx = self._context
         if not self.is_running:
             raise EngineError("the engine is stopped")
+        if any(task.done() for task in self._tasks):
+            raise EngineError("an engine actor has died; see /health")
         if self.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting "
                                    f"(max_waiting={self.config.scheduler.max_waiting})")
