@@ -60,6 +60,11 @@ class KVSpace:
             self._engines[key] = CopyEngine(src.device, dst.device)
         return self._engines[key]
 
+    def copy_engine(self, src_name: str, dst_name: str) -> CopyEngine:
+        """The copy engine that moves KV from store `src_name` to store `dst_name` (tests
+        reach its `fail_next` hook through this)."""
+        return self._engine(self.stores[src_name], self.stores[dst_name])
+
     def allocate(self, seq: Sequence, name: str, num_tokens: int) -> bool:
         """Gives `seq` fresh blocks in store `name`; False (nothing changed) when full."""
         assert not seq.location, f"{seq.seq_id} already holds KV in {seq.location}"
