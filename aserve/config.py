@@ -25,6 +25,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
     max_position_embeddings: int | None = None  # extend a preset's position table (tokens)
     seed: int = 0  # seed of a preset's random weights
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, triton backends)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 import torch
 
 from aserve.config import ModelConfig
+from aserve.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM
@@ -68,6 +69,10 @@ class ModelRunner:
         )
         self.model.eval()
         self.backend = get_backend(config.attention)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and config.cuda_graphs:
+            max_blocks = -(-self.model_config.max_position_embeddings // block_size)
+            self.graphs = DecodeGraphs(self.model, self.backend, block_size, max_blocks)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
         self.fault_hook: Callable[[], None] | None = None
 
@@ -86,7 +91,10 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook()
         input_ids, positions, meta = self._prepare(items)
-        hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
+        hidden = None if self.graphs is None else self.graphs.forward(
+            input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
+        if hidden is None:
+            hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
         sample_rows = [i for i, item in enumerate(items) if item.do_sample]
         token_ids: list[int | None] = [None] * len(items)
         logprobs: list[float | None] = [None] * len(items)

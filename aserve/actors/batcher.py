@@ -52,12 +52,12 @@ class BatcherActor(Actor):
             self.fail(self.holding, self.record_error(exc))
             self.holding = []
 
-    def _batch_budget(self, instance: int) -> int:
+    def _batch_budget(self) -> int:
+        """Blocks a new batch may hold: a share of the decode cache. NOTE: not capped by free
+        staging; what does not fit the staging buffer stays in the host pool and is copied
+        straight to the decode device when admitted, so no request is too big to batch."""
         config = self.ctx.config
-        budget = int(config.cache.num_decode_blocks * config.scheduler.batch_kv_fraction)
-        if self.ctx.policy.uses_staging:
-            budget = min(budget, self.ctx.kv.free_blocks(f"staging{instance}"))
-        return budget
+        return int(config.cache.num_decode_blocks * config.scheduler.batch_kv_fraction)
 
     async def fill(self) -> None:
         """Gives every waiting decode instance a batch, while the pool has one."""
@@ -65,12 +65,9 @@ class BatcherActor(Actor):
         for instance in sorted(self.wanting):
             if not len(self.ctx.pool):
                 return
-            budget = self._batch_budget(instance)
-            if budget <= 0:
-                continue
-            reply: asyncio.Future[list[Sequence]] = asyncio.get_running_loop().create_future()
-            self.ctx.pool.send(TakeBatch(budget, self.ctx.config.scheduler.max_batch_size, reply))
-            self.holding = await reply
+            self.holding = await self._take(self._batch_budget())
+            if not self.holding:  # only requests above the share: give one the whole cache
+                self.holding = await self._take(self.ctx.config.cache.num_decode_blocks)
             if not self.holding:
                 continue
             self.wanting.discard(instance)
@@ -78,6 +75,12 @@ class BatcherActor(Actor):
             seqs = await self._stage(self.holding, instance, self.num_batches)
             self.holding = []
             self.ctx.decode[instance].send(CandidateBatch(self.num_batches, seqs))
+
+    async def _take(self, max_blocks: int) -> list[Sequence]:
+        assert self.ctx.pool is not None, "disaggregated engine has a pool actor"
+        reply: asyncio.Future[list[Sequence]] = asyncio.get_running_loop().create_future()
+        self.ctx.pool.send(TakeBatch(max_blocks, self.ctx.config.scheduler.max_batch_size, reply))
+        return await reply
 
     async def prefetch_matching(self, instance: int) -> None:
         """Stages pool requests whose length lies in the instance's running window."""

@@ -14,6 +14,7 @@ from aserve.messages import (
     CandidateBatch,
     CandidateRequests,
     Message,
+    PoolChanged,
     Pooled,
     RunningWindow,
     Stop,
@@ -67,6 +68,7 @@ class DecodeActor(Actor):
         if isinstance(message, Stop):
             return True
         if isinstance(message, CandidateBatch):
+            assert not self.cand_batch, f"{self.name} got a batch while holding one"
             self.cand_batch, self.cand_batch_id = message.seqs, message.batch_id
             self.want_sent = False
         elif isinstance(message, CandidateRequests):
@@ -144,9 +146,8 @@ class DecodeActor(Actor):
             self.running.append(seq)
         if freed_host:
             self.ctx.notify_pool_space()
-        if freed_staging and self.ctx.batcher is not None and not self.cand_batch:
-            self.want_sent = False
-            self.ask_for_batch()
+        if freed_staging and self.ctx.batcher is not None:
+            self.ctx.batcher.send(PoolChanged())  # staging room: the batcher may retry
 
     async def iteration(self) -> None:
         start = now()
@@ -184,7 +185,7 @@ class DecodeActor(Actor):
         current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
         if not current or self.ctx.batcher is None:
             return
-        window = (min(current), max(current))
+        window = self.ctx.policy.prefetch_window(current)
         if window != self.window:
             self.window = window
             room = self.store.allocator.num_free

@@ -195,3 +195,17 @@ async def test_stop_string_ends_request_and_frees_blocks() -> None:
         assert out.finish_reason == "stop"
         assert stop not in out.text and free_run.text.startswith(out.text)
         await settle(engine)
+
+
+@pytest.mark.parametrize("policy", ["aligned", "fcfs"])
+async def test_request_above_the_batch_share_is_still_served(policy: str) -> None:
+    # 40 blocks of decode KV, batches may take half: a 30-block request must still run
+    config = make_config(policy=policy, num_decode_blocks=40, batch_kv_fraction=0.5)
+    long_prompt = make_prompts(1, 400, 400, 512, seed=8)[0]
+    shorts = make_prompts(6, 10, 30, 512, seed=9)
+    async with Engine(config) as engine:
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            collect(engine, p, SamplingParams(max_tokens=16, ignore_eos=True))
+            for p in [long_prompt, *shorts])), timeout=60)
+        await settle(engine)
+    assert all(len(o.token_ids) == 16 for o in outs)
