@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aserve.config import (
     ServerConfig,
@@ -40,19 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    for name, helptext in (("bench", "replay a workload against policies and peers"),
-                           ("sim", "simulate policies at paper scale on a cost model")):
-        sp = sub.add_parser(name, help=helptext, add_help=False)
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="replay a workload against policies and peers")
+    sub.add_parser("sim", help="simulate policies at paper scale on a cost model")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("bench", "sim"):  # their own parsers take every option after
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _run_bench_module(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command in ("bench", "sim"):
-        return _run_bench_module(args.command, args.rest)
     try:
         config = engine_config_from_args(args, environ())
     except ValueError as exc:
@@ -87,6 +88,9 @@ async def _generate(config: object, prompt: str, params: SamplingParams) -> int:
 def _run_bench_module(command: str, rest: list[str]) -> int:
     """`aserve bench|sim` run the harness in bench/, which ships with the repository
     (not with the installed package): the package itself never imports it."""
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "bench").is_dir() and str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
     try:
         module = importlib.import_module(f"bench.{command}_cli")
     except ImportError as exc:
