@@ -35,6 +35,7 @@ from bench.workloads import WORKLOADS, Workload, load_workload
 PEERS = ("transformers", "transformers-cb")  # static `generate` batches, continuous batching
 HTTP_SYSTEM = "http"  # the server at --url, in client mode
 DEFAULT_LENGTH_SCALE = 0.125  # CPU scale: the paper's lengths / 8
+PROGRESS_S = 2.0  # seconds between progress-bar refreshes (logs stay short)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,9 +131,9 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
                   settings: BenchSettings) -> str:
     """JSON (`{"config", "results"}`, each row naming its workload), Markdown, iteration
     logs and plots; returns the Markdown tables."""
-    secret = ("api_key",)  # never written to results
-    config = {**{k: v for k, v in dataclasses.asdict(settings).items() if k not in secret},
-              **{k: v for k, v in vars(args).items() if k not in ("json", "plots", *secret)},
+    left_out = ("api_key", "json", "plots", "iterations")  # secrets and output paths
+    config = {**{k: v for k, v in dataclasses.asdict(settings).items() if k not in left_out},
+              **{k: v for k, v in vars(args).items() if k not in left_out},
               "machine": machine(), "load_average": list(os.getloadavg()),
               "sizing": {r.workload.name: dataclasses.asdict(r.sizing) for r in runs}}
     rows = [{**report.summary_row(s), "workload": r.workload.name}
@@ -143,8 +144,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
                               allow_nan=False) + "\n")
     tables = "\n".join(f"### {r.workload.name}\n\n" + markdown(r.summaries) for r in runs)
     out.with_suffix(".md").write_text(tables)
-    log_dir = out.with_suffix(".iterations")
-    log_dir.mkdir(exist_ok=True)
+    log_dir = Path(args.iterations) if args.iterations else out.with_suffix(".iterations")
+    log_dir.mkdir(parents=True, exist_ok=True)
     for run in runs:
         for result in (r for r in run.results if r.iterations):
             header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
@@ -217,6 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model", default=None)
     p.add_argument("--json", required=True, help="results file (.md and .iterations/ beside)")
     p.add_argument("--plots", default=None, help="folder for the PNG figures")
+    p.add_argument("--iterations", default=None,
+                   help="folder for the iteration logs (default: OUT.iterations beside --json)")
     return p
 
 
@@ -244,7 +247,7 @@ def main(argv: list[str]) -> int:
         print(f"aserve bench: error: {exc}")
         return 2
     total = sum(w.num_requests for w in workloads) * len(systems)
-    with tqdm(total=total, unit="req", desc="aserve bench") as bar:
+    with tqdm(total=total, unit="req", desc="aserve bench", mininterval=PROGRESS_S) as bar:
         runs = [run_workload(w, systems, settings, lambda: bar.update(1)) for w in workloads]
     print(write_outputs(runs, args, settings))
     return 0
