@@ -83,7 +83,7 @@ class Engine:
         policy = get_policy(sched.policy, PolicyConfig(
             min_requests=sched.min_requests, leaf_width=sched.leaf_width,
             max_len=_pow4_at_least(model_config.max_position_embeddings),
-            starvation_threshold=sched.starvation_threshold))
+            starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack))
         self.ctx = EngineContext(cfg, KVSpace(cfg, geometry), runners, policy,
                                  Outputs(model_config.eos_token_id),
                                  model_config.max_position_embeddings)

@@ -50,6 +50,13 @@ class AlignedPolicy(Policy):
             return None
         return self.tree.oldest_request_id()
 
+    def is_batch_starving(self, view: BoundaryView) -> bool:
+        """Whether a candidate-batch request has waited longer than the threshold."""
+        threshold = self.config.starvation_threshold
+        if threshold is None or view.now is None:
+            return False
+        return any(view.now - s.arrival_time > threshold for s in view.candidate_batch)
+
     def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
         """DFS, except that a starving request is served first, with the subtree around it.
 
@@ -90,6 +97,10 @@ class AlignedPolicy(Policy):
                          None)
         requests = (by_arrival(view.candidate_requests) if reference is None
                     else by_distance(view.candidate_requests, reference))
+        if self.is_batch_starving(view):
+            # NOTE: candidate requests matching the running batch could keep it fed forever
+            # while a starving request waits in the candidate batch; so it goes first.
+            requests = []
         return plan_boundary_with(view, victims, requests, by_arrival(view.candidate_batch),
                                   is_strict=False)
 

@@ -91,6 +91,7 @@ class DecodeActor(Actor):
             candidate_requests=views(self.cand_requests),
             candidate_batch=views(self.cand_batch),
             current_batch_id=self.current_batch_id,
+            now=now(),
         )
 
     async def boundary(self) -> None:
