@@ -19,7 +19,8 @@ _EXPORTS = {
     "RequestOutput": "aserve.core",
     "generate": "aserve.offline",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["CacheConfig", "Engine", "EngineConfig", "ModelConfig", "RequestOutput",
+           "SamplingParams", "SchedulerConfig", "generate"]
 
 if TYPE_CHECKING:
     from aserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -73,7 +73,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     leaf_width: int = 16  # quad-tree leaf range (tokens)
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
-    match_slack: float = 0.25  # dynamic prefetch: widen the running batch's length range by this share
+    match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
 
     def __post_init__(self) -> None:

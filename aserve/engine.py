@@ -27,8 +27,8 @@ from aserve.core import (
     Request,
     RequestOutput,
     SamplingParams,
-    Sequence,
     SeqStatus,
+    Sequence,
     StepOutput,
 )
 from aserve.errors import EngineError, EngineOverloaded
@@ -88,7 +88,7 @@ class Engine:
                                  Outputs(model_config.eos_token_id),
                                  model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
-        self.ctx.outputs.on_finish = lambda seq: self._live.pop(seq.seq_id, None)
+        self.ctx.outputs.on_finish = self._on_finish
         self._build_actors(self.ctx)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         for task in self._tasks:
@@ -239,6 +239,9 @@ class Engine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self._live.pop(seq.seq_id, None)
 
     def abort(self, request_id: str) -> None:
         """Ends a request wherever it is; its blocks are freed by the actor that holds it."""

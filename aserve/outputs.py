@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from aserve.core import Event, EventKind, IterationRecord, Sequence, SeqStatus, StepOutput
+from aserve.core import Event, EventKind, IterationRecord, SeqStatus, Sequence, StepOutput
 
 
 class Outputs:

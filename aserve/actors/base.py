@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aserve.config import EngineConfig
-from aserve.core import Sequence, SeqStatus
+from aserve.core import SeqStatus, Sequence
 from aserve.kvspace import KVSpace
 from aserve.messages import Message, PoolSpace, Stop
 from aserve.outputs import Outputs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from aserve.actors.base import Actor, EngineContext
-from aserve.core import Sequence, SeqStatus
+from aserve.core import SeqStatus, Sequence
 from aserve.messages import (
     CandidateBatch,
     CandidateRequests,

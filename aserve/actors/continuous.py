@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from aserve.actors.base import Actor, EngineContext, now, work_item
-from aserve.core import IterationRecord, Sequence, SeqStatus
+from aserve.core import IterationRecord, SeqStatus, Sequence
 from aserve.messages import Abort, Message, Stop, Submit
 from scheduler import ContinuousScheduler, ContinuousSeq
 

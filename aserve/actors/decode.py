@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from aserve.actors.base import Actor, EngineContext, now, seq_view, work_item
-from aserve.core import IterationRecord, Sequence, SeqStatus
+from aserve.core import IterationRecord, SeqStatus, Sequence
 from aserve.messages import (
     CandidateBatch,
     CandidateRequests,

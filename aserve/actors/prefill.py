@@ -10,7 +10,7 @@ import logging
 from collections import deque
 
 from aserve.actors.base import Actor, EngineContext, now, work_item
-from aserve.core import Sequence, SeqStatus
+from aserve.core import SeqStatus, Sequence
 from aserve.messages import Abort, Message, Pooled, Stop, Submit
 
 logger = logging.getLogger(__name__)
