@@ -219,6 +219,18 @@ class IterationRecord:
     blocks_used: dict[str, int]  # location -> blocks in use after the step
 
 
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One KV move between stores (prefetch, injection, eviction, offload)."""
+
+    seq_id: str
+    src: str  # store name, e.g. "host"
+    dst: str  # store name, e.g. "staging0"
+    num_blocks: int
+    start_time: float  # perf_counter seconds, when the copy was issued
+    end_time: float  # when it was complete
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """The client's view of a request, yielded as tokens arrive."""

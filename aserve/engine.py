@@ -278,6 +278,11 @@ class Engine:
     def iterations(self) -> list:  # type: ignore[type-arg]
         return self._context.outputs.iterations
 
+    @property
+    def transfers(self) -> list:  # type: ignore[type-arg]
+        """Every completed KV move (TransferRecord), in completion order."""
+        return self._context.kv.transfers
+
     def check_integrity(self) -> None:
         self._context.kv.check_integrity()
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from aserve.config import EngineConfig
-from aserve.core import Sequence
+from aserve.core import Sequence, TransferRecord
 from transport.copy import CopyEngine
 from transport.kv import KVGeometry, KVStore
 
@@ -44,6 +45,7 @@ class KVSpace:
                                               torch.device("cpu"), pin_memory=pin))
         self.copy_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-copy")
         self._engines: dict[tuple[str, str], CopyEngine] = {}
+        self.transfers: list[TransferRecord] = []  # every completed move, for research
 
     def _add(self, store: KVStore) -> None:
         self.stores[store.name] = store
@@ -102,6 +104,7 @@ class KVSpace:
         src_ids = src.allocator.table(seq.seq_id)[: len(dst_ids)]
         engine = self._engine(src, dst)
         loop = asyncio.get_running_loop()
+        start = time.perf_counter()
         try:
             await loop.run_in_executor(self.copy_executor, _copy, engine, src, src_ids, dst,
                                        dst_ids)
@@ -109,6 +112,8 @@ class KVSpace:
             dst.allocator.free(seq.seq_id)
             raise
         src.allocator.free(seq.seq_id)
+        self.transfers.append(TransferRecord(seq.seq_id, src.name, dst_name, len(dst_ids), start,
+                                             time.perf_counter()))
         seq.location = dst_name
         return True
 

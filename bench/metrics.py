@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from aserve.core import Event, IterationRecord
+from aserve.core import Event, IterationRecord, TransferRecord
 
 ALIGNED_RATIO = 1.5  # an iteration is aligned when max_len / min_len <= this
 
@@ -219,3 +219,28 @@ def _meets(m: RequestMetrics, ttft_target: float, tpot_target: float) -> bool:
     if m.ttft is None or m.ttft > ttft_target:
         return False
     return m.tpot is None or m.tpot <= tpot_target
+
+
+def hidden_transfer_share(transfers: Sequence[TransferRecord],
+                          iterations: Sequence[IterationRecord],
+                          src_prefix: str = "host", dst_prefix: str = "staging") -> float:
+    """Share of KV-copy time (moves from `src_prefix*` to `dst_prefix*` stores) that ran
+    while a forward pass was running, i.e. was hidden behind an iteration.
+
+    A forward interval is [start + schedule_time, start + schedule_time + forward_time] of
+    each iteration record. NaN when no such transfer happened.
+    """
+    forwards = sorted((r.start_time + r.schedule_time,
+                       r.start_time + r.schedule_time + r.forward_time) for r in iterations)
+    chosen = [t for t in transfers
+              if t.src.startswith(src_prefix) and t.dst.startswith(dst_prefix)]
+    total = sum(t.end_time - t.start_time for t in chosen)
+    if not chosen or total <= 0:
+        return float("nan")
+    hidden = 0.0
+    for t in chosen:
+        for lo, hi in forwards:
+            if lo >= t.end_time:
+                break
+            hidden += max(0.0, min(hi, t.end_time) - max(lo, t.start_time))
+    return hidden / total

@@ -144,3 +144,19 @@ def test_percentile_empty_is_nan_and_bad_q_is_rejected() -> None:
     assert math.isnan(percentile([], 50))
     with pytest.raises(ValueError, match="q"):
         percentile([1.0], 101)
+
+
+def test_hidden_transfer_share_counts_copy_time_under_forward_passes() -> None:
+    from aserve.core import IterationRecord, TransferRecord
+    from bench.metrics import hidden_transfer_share
+
+    def it(start: float, forward: float) -> IterationRecord:
+        return IterationRecord("decode0", start, 4, 0, 10, 12, forward, 0.0, False, {})
+
+    iterations = [it(0.0, 1.0), it(2.0, 1.0)]  # forwards run in [0, 1] and [2, 3]
+    transfers = [TransferRecord("a", "host", "staging0", 2, 0.5, 1.5),   # 0.5 of 1.0 hidden
+                 TransferRecord("b", "host", "staging0", 2, 2.0, 3.0),   # all hidden
+                 TransferRecord("c", "staging0", "decode0", 2, 1.0, 2.0)]  # not a prefetch
+    assert hidden_transfer_share(transfers, iterations) == 0.75
+    assert hidden_transfer_share(transfers, [], "host", "staging") == 0.0
+    assert math.isnan(hidden_transfer_share([], iterations))
