@@ -70,11 +70,12 @@ class BatcherActor(Actor):
                 self.holding = await self._take(self.ctx.config.cache.num_decode_blocks)
             if not self.holding:
                 continue
-            self.wanting.discard(instance)
             self.num_batches += 1
             seqs = await self._stage(self.holding, instance, self.num_batches)
             self.holding = []
-            self.ctx.decode[instance].send(CandidateBatch(self.num_batches, seqs))
+            if seqs:  # NOTE: none left (aborted or failed while staged): the instance waits on
+                self.wanting.discard(instance)
+                self.ctx.decode[instance].send(CandidateBatch(self.num_batches, seqs))
 
     async def _take(self, max_blocks: int) -> list[Sequence]:
         assert self.ctx.pool is not None, "disaggregated engine has a pool actor"
@@ -111,7 +112,7 @@ class BatcherActor(Actor):
         for seq in seqs:
             seq.instance, seq.batch_id = instance, batch_id
             if self.ctx.policy.uses_staging and self.reap([seq]):
-                if await self.ctx.kv.move(seq, staging):
+                if await self.move(seq, staging):  # a failed copy fails seq alone
                     moved_any = True
                     seq.status = SeqStatus.STAGED
                     self.ctx.outputs.event(seq.seq_id, "prefetched")

@@ -113,14 +113,16 @@ class DecodeActor(Actor):
         """Running -> candidate requests buffer, else host pool, else recompute later."""
         self.running.remove(seq)
         self.ctx.outputs.event(seq.seq_id, "evicted")
-        if await self.ctx.kv.move(seq, self.staging):
+        if await self.move(seq, self.staging):  # a failed copy ends seq with an error
             seq.status = SeqStatus.STAGED
             self.cand_requests.append(seq)
-        elif await self.ctx.kv.move(seq, "host"):
+        elif seq.is_finished:
+            return
+        elif await self.move(seq, "host"):
             seq.status = SeqStatus.POOLED
             assert self.ctx.pool is not None, "disaggregated engine has a pool actor"
             self.ctx.pool.send(Pooled(seq))
-        else:  # nowhere to keep the KV: drop it and recompute (vLLM's recompute preemption)
+        elif not seq.is_finished:  # nowhere to keep the KV: recompute (vLLM's preemption)
             self.ctx.kv.release(seq)
             seq.num_computed_tokens = 0
             target = min(self.ctx.prefill, key=lambda actor: actor.num_waiting_tokens)
@@ -134,7 +136,9 @@ class DecodeActor(Actor):
         for seq_id in seq_ids:
             seq = by_id[seq_id]
             source = seq.location
-            if not await self.ctx.kv.move(seq, self.name):
+            if not await self.move(seq, self.name):
+                if seq.is_finished:  # the copy failed: seq alone ended with an error
+                    buffer.remove(seq)
                 continue  # no room after all; it stays in its buffer
             buffer.remove(seq)
             freed_host |= source == "host"
