@@ -1,0 +1,187 @@
+"""Injected faults: the model runner raising mid-iteration, a KV copy failing, the host pool
+refusing an allocation, an actor dying. The affected requests end with finish_reason="error"
+and a message, the others complete, the engine keeps serving with every block accounted for,
+and a dead actor makes /health answer 503 (and new requests 503) instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from aserve import Engine, SamplingParams
+from aserve.config import ServerConfig
+from aserve.core import RequestOutput, Sequence
+from aserve.server import ENGINE, create_app
+from tests.aserve.test_engine import collect, settle
+from tests.conftest import make_config, make_prompts
+from tests.reliability.conftest import BlockLedger, Gate, is_decode, wait_for_event
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = make_prompts(4, 8, 40, 512, seed=11)
+
+
+class ActorCrash(BaseException):
+    """Escapes an actor's `except Exception` boundary: its task dies."""
+
+
+def start(engine: Engine, request_id: str, prompt: list[int],
+          params: SamplingParams = PARAMS) -> asyncio.Task[RequestOutput]:
+    return asyncio.ensure_future(collect(engine, prompt, params, request_id))
+
+
+async def finish_all(engine: Engine, tasks: dict[str, asyncio.Task[RequestOutput]],
+                     ledger: BlockLedger) -> dict[str, RequestOutput]:
+    """Waits for every request and for every block to be free, then checks the books and
+    that the engine still serves a new request."""
+    outs = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 30)))
+    after = await asyncio.wait_for(collect(engine, PROMPTS[0], PARAMS, "after"), 30)
+    assert after.finish_reason == "length" and len(after.token_ids) == PARAMS.max_tokens
+    await settle(engine)
+    assert ledger.unbalanced() == {}
+    assert engine.health()["healthy"]
+    return outs
+
+
+def assert_only_victims_failed(outs: dict[str, RequestOutput], victims: set[str],
+                               message: str, params: SamplingParams = PARAMS) -> None:
+    for request_id, out in outs.items():
+        if request_id in victims:
+            assert out.finish_reason == "error" and message in (out.error or ""), out
+        else:
+            assert out.finish_reason == "length", out
+            assert len(out.token_ids) == params.max_tokens
+
+
+@pytest.mark.parametrize("policy", ["aligned", "fcfs", "continuous"])
+async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str) -> None:
+    async with Engine(make_config(policy=policy)) as engine:
+        ledger = BlockLedger(engine)
+        runner = next(iter(engine.ctx.runners.values()))  # type: ignore[union-attr]
+        gate = Gate(runner, "execute", is_decode)
+        tasks = {"victim": start(engine, "victim", PROMPTS[0])}
+        await gate.entered.wait()  # "victim" alone in the running batch, held mid-iteration
+        tasks |= {f"other{i}": start(engine, f"other{i}", p) for i, p in enumerate(PROMPTS[1:])}
+        if engine.ctx.policy.uses_pool:  # type: ignore[union-attr]
+            for i in range(len(PROMPTS) - 1):
+                await wait_for_event(engine, f"other{i}", "pooled")
+
+        def fail_once() -> None:
+            runner.fault_hook = None
+            raise RuntimeError("injected forward failure")
+
+        runner.fault_hook = fail_once
+        gate.open()
+        outs = await finish_all(engine, tasks, ledger)
+    assert_only_victims_failed(outs, {"victim"}, "injected forward failure")
+
+
+Move = Callable[[Sequence, str], Awaitable[bool]]
+Inject = Callable[[Sequence, str], None]
+
+
+def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject) -> list[str]:
+    """Wraps `kv.move` so that `inject` arms a fault for the first move from a store named
+    `path[0]*` to one named `path[1]*`; returns the list that receives the victim's id."""
+    kv = engine.ctx.kv  # type: ignore[union-attr]
+    original: Move = kv.move
+    victims: list[str] = []
+
+    async def move(seq: Sequence, dst_name: str) -> bool:
+        src_name = seq.location
+        if src_name.startswith(path[0]) and dst_name.startswith(path[1]) and not victims:
+            victims.append(seq.seq_id)
+            inject(seq, dst_name)
+        return await original(seq, dst_name)
+
+    kv.move = move  # type: ignore[method-assign]
+    return victims
+
+
+async def run_with_fault(path: tuple[str, str], make_inject: Callable[[Engine], Inject],
+                         message: str, max_tokens: int = PARAMS.max_tokens,
+                         **config: object) -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    async with Engine(make_config(policy="aligned", **config)) as engine:
+        ledger = BlockLedger(engine)
+        victims = fail_first_move(engine, path, make_inject(engine))
+        tasks = {f"r{i}": start(engine, f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
+        outs = await finish_all(engine, tasks, ledger)
+    assert len(victims) == 1
+    assert_only_victims_failed(outs, set(victims), message, params)
+
+
+def copy_fault(engine: Engine) -> Inject:
+    kv = engine.ctx.kv  # type: ignore[union-attr]
+
+    def inject(seq: Sequence, dst_name: str) -> None:
+        # NOTE: on the CPU every store shares one copy engine; copies run in order on the
+        # one copy thread, so arming it there, right before this move's copy is queued
+        # (no await in between), makes exactly this copy fail.
+        copy_engine = kv.copy_engine(seq.location, dst_name)
+        kv.copy_executor.submit(setattr, copy_engine, "fail_next", "injected copy failure")
+    return inject
+
+
+# a decode cache of 8 blocks cannot hold 4 requests growing by 60 tokens: evictions follow
+COPY_PATHS = [
+    pytest.param(("prefill", "host"), {}, id="prefill_to_host"),
+    pytest.param(("host", "staging"), {}, id="host_to_staging"),
+    pytest.param(("staging", "decode"), {}, id="staging_to_decode"),
+    pytest.param(("decode", "staging"), {"num_decode_blocks": 8, "max_tokens": 60},
+                 id="decode_to_staging_evict"),
+]
+
+
+@pytest.mark.parametrize("path, config", COPY_PATHS)
+async def test_failed_kv_copy_fails_only_its_request(path: tuple[str, str],
+                                                     config: dict[str, object]) -> None:
+    await run_with_fault(path, copy_fault, "injected copy failure", **config)
+
+
+def host_refusal(engine: Engine) -> Inject:
+    allocator = engine.ctx.kv["host"].allocator  # type: ignore[union-attr]
+    original = allocator.allocate
+
+    def refuse_once(owner: str, num_tokens: int) -> list[int] | None:
+        allocator.allocate = original  # type: ignore[method-assign]
+        raise MemoryError("injected: host pool refused the allocation")
+
+    def inject(seq: Sequence, dst_name: str) -> None:
+        allocator.allocate = refuse_once  # type: ignore[method-assign]
+    return inject
+
+
+async def test_host_pool_refusing_an_allocation_fails_only_its_request() -> None:
+    await run_with_fault(("prefill", "host"), host_refusal, "host pool refused")
+
+
+# -- a dead actor --------------------------------------------------------------------------
+@pytest_asyncio.fixture
+async def client() -> AsyncIterator[TestClient]:
+    app = create_app(make_config(policy="aligned"), ServerConfig())
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+async def test_dead_actor_makes_health_503_and_requests_end(client: TestClient) -> None:
+    engine = client.server.app[ENGINE]
+    runner = next(iter(engine.ctx.runners.values()))
+
+    def crash() -> None:
+        raise ActorCrash("injected actor crash")
+
+    runner.fault_hook = crash
+    body = {"model": "opt-tiny", "prompt": "hello", "max_tokens": 4}
+    resp = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+    assert resp.status == 500 and "prefill0" in (await resp.json())["error"]["message"]
+    health = await asyncio.wait_for(client.get("/health"), 5)
+    report = await health.json()
+    assert health.status == 503 and report["status"] == "unhealthy"
+    assert report["actors"]["prefill0"]["alive"] is False
+    assert "ActorCrash" in report["actors"]["prefill0"]["last_error"]
+    resp = await asyncio.wait_for(client.post("/v1/completions", json=body), 5)
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_unavailable"
