@@ -125,6 +125,8 @@ def decode_request(body: bytes) -> CompletionRequest:
         raise RequestError(f"invalid request: {exc}", param=param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"the body is not valid JSON: {exc}", param="body") from exc
+    except RecursionError as exc:  # e.g. [[[[…]]]] thousands deep in a field that is skipped
+        raise RequestError(f"the body is nested too deeply: {exc}", param="body") from exc
     check_supported(req)
     return req
 
