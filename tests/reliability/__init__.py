@@ -1,0 +1,1 @@
+"""Reliability and security tests: fuzzing, overload, faults, cancellation, determinism, soak."""

@@ -156,6 +156,14 @@ def test_fuzzer_findings_stay_fixed(fuzzer: Fuzzer, overrides: dict[str, object]
         assert fuzzer.server.run(resp.json())["error"]["param"] == param
 
 
+@pytest.mark.parametrize("depth", [1000, 8000])
+def test_deeply_nested_unknown_field_is_a_400(fuzzer: Fuzzer, depth: int) -> None:
+    nested = b"[" * depth + b"1" + b"]" * depth  # msgspec recursed while skipping it: 500
+    data = b'{"model": "%s", "prompt": "a", "max_tokens": 1, "junk": %s}' % (MODEL.encode(),
+                                                                            nested)
+    assert fuzzer.send("regression", data, JSON) == 400
+
+
 # -- mutations of valid bodies -------------------------------------------------------------
 SAFE_TEXT = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=24)
 ANY_TEXT = st.text(max_size=24)  # surrogates, NUL, RTL marks, emoji…
