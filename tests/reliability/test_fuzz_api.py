@@ -207,8 +207,9 @@ def field_mutations(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
         return kind, _encode(body), JSON
     if kind == "nested":
         depth = draw(st.integers(1, 3000))
+        opener, closer = draw(st.sampled_from([(b"[", b"]"), (b'{"a":', b"}")]))
         body[name] = "NESTED"
-        data = _encode(body).replace(b'"NESTED"', b"[" * depth + b"1" + b"]" * depth)
+        data = _encode(body).replace(b'"NESTED"', opener * depth + b"1" + closer * depth)
         return kind, data, JSON
     body[name] = draw({"junk": JUNK, "huge": st.sampled_from(HUGE_NUMBERS),
                        "unicode": ANY_TEXT | st.lists(ANY_TEXT, max_size=3)}[kind])
