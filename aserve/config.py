@@ -115,8 +115,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
     seed: int = 0  # engine-wide seed for unseeded sampling
+    trace_limit: int = 1_000_000  # lifecycle events / iteration records kept (oldest dropped)
+    num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
 
     def __post_init__(self) -> None:
+        if self.trace_limit < 2:
+            raise ValueError(f"trace_limit ({self.trace_limit}) must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads ({self.num_threads}) must be >= 1 or None")
         if not self.prefill_devices:
             raise ValueError("prefill_devices must name at least one device")
         if not self.decode_devices:
@@ -157,7 +163,8 @@ _AREA_OF: dict[str, str] = {
     **{f: "model" for f in _fields(ModelConfig)},
     **{f: "cache" for f in _fields(CacheConfig)},
     **{f: "scheduler" for f in _fields(SchedulerConfig)},
-    **{f: "" for f in ("prefill_devices", "decode_devices", "seed")},
+    **{f: "" for f in ("prefill_devices", "decode_devices", "seed", "trace_limit",
+                       "num_threads")},
 }
 
 

@@ -68,6 +68,8 @@ class Engine:
     async def start(self) -> None:
         """Loads the model on every device (in worker threads) and starts the actors."""
         cfg = self.config
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
         runners: dict[str, ModelRunner] = {}
         for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
             runners[dev] = await asyncio.to_thread(
@@ -85,7 +87,8 @@ class Engine:
             max_len=_pow4_at_least(model_config.max_position_embeddings),
             starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack))
         self.ctx = EngineContext(cfg, KVSpace(cfg, geometry), runners, policy,
-                                 Outputs(model_config.eos_token_id),
+                                 Outputs(model_config.eos_token_id,
+                                         trace_limit=cfg.trace_limit),
                                  model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
@@ -276,7 +279,13 @@ class Engine:
 
     @property
     def iterations(self) -> list:  # type: ignore[type-arg]
+        """Iteration records kept (the oldest are dropped past `trace_limit`)."""
         return self._context.outputs.iterations
+
+    @property
+    def num_dropped_iterations(self) -> int:
+        """How many iteration records were dropped: the absolute index of iterations[0]."""
+        return self._context.outputs.num_dropped_iterations
 
     @property
     def transfers(self) -> list:  # type: ignore[type-arg]

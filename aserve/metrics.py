@@ -53,7 +53,7 @@ class ServerMetrics:
                                         STEP_BUCKETS)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # exported at 0 before the first request
-        self.num_iterations_seen = 0  # index into engine.iterations already observed
+        self.num_iterations_seen = 0  # absolute count of iteration records observed
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, buckets=sorted(set(buckets)), registry=self.registry)
@@ -77,20 +77,20 @@ class ServerMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated)
 
-    def update(self, stats: Mapping[str, object], iterations: Sequence[IterationRecord]) -> None:
-        """Sets the gauges from `engine.stats()` and observes iterations not yet seen."""
+    def update(self, stats: Mapping[str, object], iterations: Sequence[IterationRecord],
+               num_dropped: int = 0) -> None:
+        """Sets the gauges from `engine.stats()` and observes iterations not yet seen;
+        `num_dropped` is the absolute index of iterations[0] (the engine trims old ones)."""
         self.running.set(int(stats["running"]))  # type: ignore[call-overload]
         self.waiting.set(int(stats["waiting"]))  # type: ignore[call-overload]
         kv: Mapping[str, tuple[int, int]] = stats["kv"]  # type: ignore[assignment]
         for location, (used, total) in kv.items():
             self.kv_used.labels(location).set(used)
             self.kv_total.labels(location).set(total)
-        if len(iterations) < self.num_iterations_seen:  # the engine trimmed its records
-            self.num_iterations_seen = 0
-        for record in iterations[self.num_iterations_seen:]:
+        for record in iterations[max(0, self.num_iterations_seen - num_dropped):]:
             self.forward.observe(record.forward_time)
             self.schedule.observe(record.schedule_time)
-        self.num_iterations_seen = len(iterations)
+        self.num_iterations_seen = num_dropped + len(iterations)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry."""

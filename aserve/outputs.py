@@ -15,10 +15,13 @@ from aserve.core import Event, EventKind, IterationRecord, SeqStatus, Sequence, 
 class Outputs:
     """The one place tokens and lifecycle transitions are recorded and streamed."""
 
-    def __init__(self, eos_token_id: int, record_tokens: bool = True) -> None:
+    def __init__(self, eos_token_id: int, record_tokens: bool = True,
+                 trace_limit: int = 1_000_000) -> None:
         self.eos_token_id = eos_token_id
         self.events: list[Event] = []
         self.iterations: list[IterationRecord] = []
+        self.trace_limit = trace_limit  # most events (and iterations) kept; older half dropped
+        self.num_dropped_iterations = 0  # absolute index of iterations[0]
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
@@ -26,6 +29,15 @@ class Outputs:
 
     def event(self, seq_id: str, kind: EventKind, at: float | None = None) -> None:
         self.events.append(Event(seq_id, kind, time.perf_counter() if at is None else at))
+        if len(self.events) > self.trace_limit:  # a long-running server must not grow forever
+            del self.events[: self.trace_limit // 2]
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.iterations.append(record)
+        if len(self.iterations) > self.trace_limit:
+            half = self.trace_limit // 2
+            del self.iterations[:half]
+            self.num_dropped_iterations += half
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:

@@ -322,7 +322,7 @@ async def metrics(request: web.Request) -> web.Response:
     """`GET /metrics`: the Prometheus text format of this app's registry."""
     engine, registry = request.app[ENGINE], request.app[METRICS]
     if engine.is_running:
-        registry.update(engine.stats(), engine.iterations)
+        registry.update(engine.stats(), engine.iterations, engine.num_dropped_iterations)
     return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

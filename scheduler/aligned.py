@@ -4,6 +4,8 @@ dynamic prefetch, and batch-level scheduling at iteration boundaries (DESIGN §1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
@@ -50,12 +52,12 @@ class AlignedPolicy(Policy):
             return None
         return self.tree.oldest_request_id()
 
-    def is_batch_starving(self, view: BoundaryView) -> bool:
-        """Whether a candidate-batch request has waited longer than the threshold."""
+    def is_starving(self, view: BoundaryView, seqs: Sequence[SeqView]) -> bool:
+        """Whether one of `seqs` has waited longer than the threshold at the boundary."""
         threshold = self.config.starvation_threshold
         if threshold is None or view.now is None:
             return False
-        return any(view.now - s.arrival_time > threshold for s in view.candidate_batch)
+        return any(view.now - s.arrival_time > threshold for s in seqs)
 
     def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
         """DFS, except that a starving request is served first, with the subtree around it.
@@ -73,8 +75,16 @@ class AlignedPolicy(Policy):
                 return batch
         return density_first_search(self.tree, max_blocks, min_requests, max_requests)
 
-    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int) -> list[str]:
-        """Pooled requests with ``lo <= length <= hi``, shortest first, while they fit."""
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float | None = None) -> list[str]:
+        """Pooled requests with ``lo <= length <= hi``, shortest first, while they fit.
+
+        NOTE: none while a pooled request starves: matching requests would keep the running
+        batch fed, the candidate batch would never drain, and the next batch (which serves
+        the starving request) would never be formed.
+        """
+        if now is not None and self.starving_request(now) is not None:
+            return []
         candidates = ((seq_id, blocks) for _, seq_id, blocks in self.tree.requests_in_range(lo, hi))
         return take_in_order(candidates, max_blocks, max_requests)
 
@@ -97,10 +107,17 @@ class AlignedPolicy(Policy):
                          None)
         requests = (by_arrival(view.candidate_requests) if reference is None
                     else by_distance(view.candidate_requests, reference))
-        if self.is_batch_starving(view):
-            # NOTE: candidate requests matching the running batch could keep it fed forever
-            # while a starving request waits in the candidate batch; so it goes first.
-            requests = []
+        # NOTE: starvation at the boundary. An evicted long request can wait in the candidate
+        # requests buffer behind closer-length ones forever, and candidate requests matching
+        # the running batch can keep it fed while a starving request waits in the candidate
+        # batch; smaller neighbours would keep taking the room it needs. So a buffer holding a
+        # starving request goes first, strictly in arrival order.
+        if self.is_starving(view, view.candidate_requests):
+            return plan_boundary_with(view, victims, by_arrival(view.candidate_requests), [],
+                                      is_strict=True)
+        if self.is_starving(view, view.candidate_batch):
+            return plan_boundary_with(view, victims, [], by_arrival(view.candidate_batch),
+                                      is_strict=True)
         return plan_boundary_with(view, victims, requests, by_arrival(view.candidate_batch),
                                   is_strict=False)
 
@@ -113,5 +130,6 @@ class AlignedNoPrefetchPolicy(AlignedPolicy):
     uses_staging = False
     uses_dynamic_prefetch = False
 
-    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int) -> list[str]:
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float | None = None) -> list[str]:
         return []

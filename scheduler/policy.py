@@ -79,8 +79,10 @@ class Policy(ABC):
             Pooled seq ids; the engine calls ``remove`` for each one it takes.
         """
 
-    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int) -> list[str]:
-        """Dynamic prefetch: pooled requests with ``lo <= length <= hi``; none by default."""
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float | None = None) -> list[str]:
+        """Dynamic prefetch: pooled requests with ``lo <= length <= hi``; none by default.
+        ``now`` (seconds), when given, lets a policy hold back for a starving request."""
         return []
 
     def prefetch_window(self, lengths: Sequence[int]) -> tuple[int, int]:

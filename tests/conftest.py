@@ -6,6 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+
+# NOTE: one intra-op thread: the engine's event loop, device worker and copy threads share
+# the CPU with torch's pool, and on 2 busy cores an oversubscribed pool made a tiny forward
+# take ~300 ms instead of ~2 ms. Benchmarks (bench/) keep torch's default.
+torch.set_num_threads(1)
 
 TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
                num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
@@ -15,7 +21,6 @@ TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
 def write_hf_checkpoint(path: Path, dtype: str = "float32", seed: int = 0,
                         **overrides: object) -> Path:
     """Saves a random `transformers` OPT to `path` (config.json + model.safetensors)."""
-    import torch
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(seed)

@@ -121,7 +121,7 @@ class ContinuousActor(Actor):
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.ctx.outputs.append_token(seq, token_id, logprob, end)
-        self.ctx.outputs.iterations.append(IterationRecord(
+        self.ctx.outputs.iteration(IterationRecord(
             instance=self.name, start_time=start, batch_size=len(work),
             num_prefill_tokens=num_prefill, min_len=min(lengths), max_len=max(lengths),
             forward_time=result.forward_time, schedule_time=schedule_time, is_mixed=False,

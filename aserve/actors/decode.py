@@ -200,7 +200,7 @@ class DecodeActor(Actor):
     def record(self, start: float, batch: list[Sequence], lengths: list[int],
                forward_time: float, schedule_time: float) -> None:
         batch_ids = {s.batch_id == self.current_batch_id for s in batch}
-        self.ctx.outputs.iterations.append(IterationRecord(
+        self.ctx.outputs.iteration(IterationRecord(
             instance=self.name, start_time=start, batch_size=len(batch), num_prefill_tokens=0,
             min_len=min(lengths), max_len=max(lengths), forward_time=forward_time,
             schedule_time=schedule_time, is_mixed=len(batch_ids) > 1,

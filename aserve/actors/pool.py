@@ -36,7 +36,7 @@ class PoolActor(Actor):
             message.reply.set_result(self._take(ids))
         elif isinstance(message, TakeMatching):
             ids = self.ctx.policy.matching(message.lo, message.hi, message.max_blocks,
-                                           message.max_requests)
+                                           message.max_requests, now())
             message.reply.set_result(self._take(ids))
 
     def add(self, seq: Sequence) -> None:

@@ -27,3 +27,14 @@ def test_without_starvation_candidate_requests_go_first() -> None:
                         (PolicyConfig(starvation_threshold=None), 10.0)):
         plan = get_policy("aligned", config).plan_boundary(view(now=now))
         assert plan.admit_requests == ("m0",)
+
+
+def test_starving_evicted_request_goes_before_closer_candidate_requests() -> None:
+    running = (SeqView("r0", 40, 3, arrival_time=9.0, batch_id=1),)
+    view = BoundaryView(
+        running=running, free_blocks=8, block_size=16, max_batch_size=8,
+        candidate_requests=(SeqView("near", 41, 3, arrival_time=9.5),
+                            SeqView("evicted-long", 70, 5, arrival_time=0.0, batch_id=0)),
+        candidate_batch=(), current_batch_id=1, now=10.0)
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(view)
+    assert plan.admit_requests[0] == "evicted-long"
