@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +34,8 @@ from bench.workloads import WORKLOADS, Workload, load_workload
 PEERS = ("transformers", "transformers-cb")  # static `generate` batches, continuous batching
 HTTP_SYSTEM = "http"  # the server at --url, in client mode
 DEFAULT_LENGTH_SCALE = 0.125  # CPU scale: the paper's lengths / 8
+ABLATION = {"aligned/paged": "aligned", "aligned-noprefetch/paged": "no GPU prefetch",
+            "fcfs/paged": "neither (fcfs)"}  # Fig. 14's variants and their bar labels
 PROGRESS_S = 2.0  # seconds between progress-bar refreshes (logs stay short)
 
 
@@ -186,10 +187,10 @@ def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namesp
     report.plot_workload_comparison(folder / "fig8_workloads.png",
                                     {r.workload.name: r.summaries for r in runs}, caption)
     thr = {s.system: s.decode_throughput for s in last.summaries}
-    if "fcfs/paged" in thr:
-        report.plot_ablation(folder / "fig14_ablation.png",
-                             {k: v for k, v in thr.items() if not math.isnan(v)}, caption,
-                             baseline="fcfs/paged")
+    ablation = {label: thr[name] for name, label in ABLATION.items() if name in thr}
+    if len(ablation) == len(ABLATION):
+        report.plot_ablation(folder / "fig14_ablation.png", ablation, caption,
+                             baseline=ABLATION["aligned/paged"])
     if len(runs) > 1 and args.workload == "synthetic":
         series = {name: [next(s.decode_throughput for s in r.summaries if s.system == name)
                          for r in runs] for name in (s.system for s in runs[0].summaries)}

@@ -42,7 +42,7 @@ def throughput(doc: dict[str, object], system: str) -> float:
 def test_offline_throughput_vs_transformers(tmp_path: Path) -> None:
     doc = run_cli("issue3_offline_throughput", [
         "--workload", "synthetic", "--short-ratio", "0.95", "--num-requests", "256",
-        "--length-scale", "0.25", "--offline", "--model", "opt-125m", "--dtype", "bfloat16",
+        "--length-scale", "0.125", "--offline", "--model", "opt-125m", "--dtype", "bfloat16",
         "--systems", "fcfs,continuous,transformers,transformers-cb"], tmp_path)
     rows = doc["results"]
     assert isinstance(rows, list) and all(r["num_requests"] == 256 for r in rows)
