@@ -193,6 +193,7 @@ class LoopLagProbe:
     def __init__(self, interval: float = 0.005) -> None:
         self.interval = interval  # seconds between wake-ups asked for
         self.lags: list[float] = []
+        self.wake_times: list[float] = []  # perf_counter seconds of each wake-up
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> LoopLagProbe:
@@ -208,7 +209,13 @@ class LoopLagProbe:
         while True:
             before = time.perf_counter()
             await asyncio.sleep(self.interval)
-            self.lags.append(time.perf_counter() - before - self.interval)
+            woke = time.perf_counter()
+            self.wake_times.append(woke)
+            self.lags.append(woke - before - self.interval)
+
+    def lags_between(self, start: float, end: float) -> list[float]:
+        """Lags of the wake-ups within [start, end] (perf_counter seconds)."""
+        return [lag for at, lag in zip(self.wake_times, self.lags) if start <= at <= end]
 
     @property
     def max_lag(self) -> float:

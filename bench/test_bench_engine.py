@@ -14,7 +14,15 @@ import pytest
 from aserve.config import EngineConfig
 from aserve.offline import run as run_async
 from bench import bench_cli
-from bench.harness import LoopLagProbe, model_config, run_engine, size_engine, workload_prompts
+from bench.harness import (
+    LoopLagProbe,
+    RunResult,
+    model_config,
+    run_engine,
+    size_engine,
+    workload_prompts,
+)
+from bench.metrics import percentile
 from bench.workloads import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.bench
@@ -68,16 +76,21 @@ def test_event_loop_lag_while_decoding_batch_of_32(policy: str) -> None:
                                  **sizing.options())
     prompts = workload_prompts(workload, arch.vocab_size, seed=0)
 
-    async def measure() -> tuple[LoopLagProbe, float]:
+    async def measure() -> tuple[LoopLagProbe, RunResult]:
         async with LoopLagProbe(interval=0.005) as probe:
             result = await run_engine(workload, prompts, config, policy, realtime=False)
-        batch = max(it.batch_size for it in result.iterations)
-        return probe, batch
+        return probe, result
 
-    probe, batch = run_async(measure())
-    print(f"\n{policy}: loop lag over {len(probe.lags)} ticks while decoding a batch of "
-          f"{batch}: max {probe.max_lag * MS:.1f} ms, p99 {probe.p99_lag * MS:.1f} ms; "
+    probe, result = run_async(measure())
+    batch = max(it.batch_size for it in result.iterations)
+    last = result.iterations[-1]
+    decoding = probe.lags_between(result.iterations[0].start_time,
+                                  last.start_time + last.forward_time)
+    print(f"\n{policy}: loop lag while decoding a batch of {batch} ({len(decoding)} ticks): "
+          f"max {max(decoding) * MS:.1f} ms, p99 {percentile(decoding, 99) * MS:.1f} ms; "
+          f"whole run incl. engine start ({len(probe.lags)} ticks): max "
+          f"{probe.max_lag * MS:.1f} ms, p99 {probe.p99_lag * MS:.1f} ms; "
           f"load average {os.getloadavg()}")
     assert batch == 32
-    assert probe.max_lag < MAX_LOOP_LAG_S
+    assert max(decoding) < MAX_LOOP_LAG_S
 
