@@ -49,7 +49,7 @@ def test_fig7_sweep_and_fig13_fig14(tmp_path: Path) -> None:
 def test_azure_code_replay_every_policy(tmp_path: Path) -> None:
     doc = run_cli("azure_code", [
         "--workload", "azure-code", "--num-requests", "100", "--length-scale", "0.125",
-        "--rate", "2", "--systems", POLICIES, "--attention", "paged",
+        "--rate", "4", "--systems", POLICIES, "--attention", "paged",
         "--plots", str(RESULTS / "azure_code")], tmp_path)
     rows = doc["results"]
     assert isinstance(rows, list) and all(r["num_requests"] == 100 for r in rows)
@@ -82,17 +82,19 @@ def _serve(policy: str, port: int, sizing_args: list[str]) -> subprocess.Popen[b
     raise AssertionError(f"server on port {port} did not come up")
 
 
-@pytest.mark.parametrize("policy", ["fcfs"])
-def test_http_client_matches_in_process(policy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", ["rate4", "offline"])
+def test_http_client_matches_in_process(load: str, tmp_path: Path) -> None:
+    policy, rate = "fcfs", (4.0 if load == "rate4" else None)
+    arrivals = ["--rate", "4"] if rate else ["--offline"]
     args = ["--workload", "synthetic", "--short-ratio", "0.95", "--num-requests", "128",
-            "--rate", "4", "--systems", policy]
-    workload = synthetic(128, 0.95, length_scale=0.125, rate=4, max_len=2048)
+            *arrivals, "--systems", policy]
+    workload = synthetic(128, 0.95, length_scale=0.125, rate=rate, max_len=2048)
     sizing = size_engine(workload, model_config("opt-125m"), "bfloat16", batch_requests=32)
     sizing_args = [f"--{k.replace('_', '-')}={v}" for k, v in sizing.options().items()]
     port = 18931
     server = _serve(policy, port, sizing_args)
     try:
-        doc = run_cli("http_vs_in_process", [*args, "--url", f"http://127.0.0.1:{port}"],
+        doc = run_cli(f"http_vs_in_process_{load}", [*args, "--url", f"http://127.0.0.1:{port}"],
                       tmp_path)
     finally:
         server.terminate()
