@@ -208,13 +208,13 @@ class IterationRecord:
     """One decode (or mixed) iteration, for research traces and the benchmark."""
 
     instance: str  # e.g. "decode0"
-    start_time: float
+    start_time: float  # perf_counter seconds when the forward step was issued
     batch_size: int
     num_prefill_tokens: int  # chunked-prefill tokens mixed in (continuous policy)
     min_len: int  # shortest prefix in the batch (tokens)
     max_len: int  # longest prefix in the batch (tokens)
     forward_time: float  # seconds
-    schedule_time: float  # seconds spent in the policy at the boundary before it
+    schedule_time: float  # seconds the policy's decision took at the boundary before it
     is_mixed: bool  # requests of two batches (old and new) ran together
     blocks_used: dict[str, int]  # location -> blocks in use after the step
 

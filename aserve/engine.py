@@ -86,7 +86,10 @@ class Engine:
             min_requests=sched.min_requests, leaf_width=sched.leaf_width,
             max_len=_pow4_at_least(model_config.max_position_embeddings),
             starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack))
-        self.ctx = EngineContext(cfg, KVSpace(cfg, geometry), runners, policy,
+        # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
+        kv = await asyncio.to_thread(KVSpace, cfg, geometry,
+                                     {dev: r.executor for dev, r in runners.items()})
+        self.ctx = EngineContext(cfg, kv, runners, policy,
                                  Outputs(model_config.eos_token_id,
                                          trace_limit=cfg.trace_limit),
                                  model_config.max_position_embeddings)

@@ -227,11 +227,10 @@ def hidden_transfer_share(transfers: Sequence[TransferRecord],
     """Share of KV-copy time (moves from `src_prefix*` to `dst_prefix*` stores) that ran
     while a forward pass was running, i.e. was hidden behind an iteration.
 
-    A forward interval is [start + schedule_time, start + schedule_time + forward_time] of
-    each iteration record. NaN when no such transfer happened.
+    A forward interval is [start_time, start_time + forward_time] of each iteration record.
+    NaN when no such transfer happened.
     """
-    forwards = sorted((r.start_time + r.schedule_time,
-                       r.start_time + r.schedule_time + r.forward_time) for r in iterations)
+    forwards = sorted((r.start_time, r.start_time + r.forward_time) for r in iterations)
     chosen = [t for t in transfers
               if t.src.startswith(src_prefix) and t.dst.startswith(dst_prefix)]
     total = sum(t.end_time - t.start_time for t in chosen)

@@ -105,6 +105,7 @@ class ContinuousActor(Actor):
                 self.stop()
             return
         schedule_time = now() - start
+        start = now()
         lengths = [seq.num_computed_tokens + n for seq, n in work]
         items = [work_item(seq, self.ctx.kv.table(seq), n) for seq, n in work]
         result = await self.runner.execute(items, self.store.tensor)

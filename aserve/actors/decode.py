@@ -94,12 +94,15 @@ class DecodeActor(Actor):
             now=now(),
         )
 
-    async def boundary(self) -> None:
-        """Applies the batch-level scheduling rules through the policy."""
+    async def boundary(self) -> float:
+        """Applies the batch-level scheduling rules through the policy; returns the seconds
+        the decision took (the KV moves that carry it out are not counted)."""
+        start = now()
         self.running = self.reap(self.running)
         self.cand_requests = self.reap(self.cand_requests)
         self.cand_batch = self.reap(self.cand_batch)
         plan: BoundaryPlan = self.ctx.policy.plan_boundary(self._view())
+        decision_time = now() - start
         for seq_id in plan.evict:
             await self.evict(next(s for s in self.running if s.seq_id == seq_id))
         if plan.admit_batch:
@@ -108,6 +111,7 @@ class DecodeActor(Actor):
         await self.admit(plan.admit_batch, self.cand_batch)
         if not self.cand_batch:
             self.ask_for_batch()
+        return decision_time
 
     async def evict(self, seq: Sequence) -> None:
         """Running -> candidate requests buffer, else host pool, else recompute later."""
@@ -155,14 +159,13 @@ class DecodeActor(Actor):
             self.ctx.batcher.send(PoolChanged())  # staging room: the batcher may retry
 
     async def iteration(self) -> None:
-        start = now()
-        await self.boundary()
+        schedule_time = await self.boundary()
         runnable = [s for s in self.running if self.ctx.kv.grow(s, s.num_tokens)]
         if not runnable:
             await self.unstick()
             return
         self.report_window(runnable)
-        schedule_time = now() - start
+        start = now()
         lengths = [s.num_tokens for s in runnable]
         items = [work_item(s, self.ctx.kv.table(s), s.num_tokens - s.num_computed_tokens)
                  for s in runnable]
