@@ -106,20 +106,23 @@ class SimContext:
             self.devices[name] = Device(name)
         return self.devices[name]
 
-    def link(self, name: str, bandwidth: float) -> Link:
+    def link(self, name: str, bandwidth: float, device: str = "") -> Link:
+        """The link `name`; on a CPU (`not hardware.is_gpu`) its copies occupy `device`'s
+        compute timeline, as the engine runs CPU-to-CPU copies in the device's thread."""
         if name not in self.links:
-            self.links[name] = Link(name, bandwidth)
+            on = self.device(device) if device and not self.cost.hardware.is_gpu else None
+            self.links[name] = Link(name, bandwidth, on)
         return self.links[name]
 
     def host_link(self, device: str, direction: str) -> Link:
         """`direction` is "h2d" or "d2h"; one PCIe link per device."""
-        return self.link(f"{device}.{direction}", self.cost.hardware.host_link_bandwidth)
+        return self.link(f"{device}.{direction}", self.cost.hardware.host_link_bandwidth, device)
 
     def peer_link(self, src: str, dst: str) -> Link:
         """Device-to-device copies (NVLink); a plain memcpy when both are one device."""
         hw = self.cost.hardware
         bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        return self.link(f"{src}->{dst}", bandwidth)
+        return self.link(f"{src}->{dst}", bandwidth, src)
 
     def copy(self, link: Link, start: float, num_blocks: int) -> float:
         """Moves `num_blocks` KV blocks over `link` from `start`; returns the arrival time."""

@@ -9,11 +9,13 @@ the instance's device for the cost model's time.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
+from functools import partial
 
 from aserve.core import IterationRecord
 from bench.sim.cluster import SimContext
-from bench.sim.loop import DECODING, POOLED, STAGED, SimActor, SimSeq
+from bench.sim.loop import DECODING, POOLED, STAGED, Callback, Link, SimActor, SimSeq
 from bench.sim.pool import Batcher, Pool, Window
 from bench.sim.prefill import PrefillInstance
 from scheduler import BoundaryPlan, BoundaryView, SeqView
@@ -44,6 +46,8 @@ class DecodeInstance(SimActor):
         self.cand_batch_id = self.current_batch_id = -1
         self.want_sent = False
         self.window: tuple[int, int] | None = None
+        self._copies: deque[tuple[Link, int, Callback | None]] = deque()
+        self._missed_wake = False
 
     @property
     def is_idle(self) -> bool:
@@ -67,13 +71,25 @@ class DecodeInstance(SimActor):
         if not self.is_idle:
             self._iteration()
 
+    def wake(self) -> None:
+        if self.is_busy:
+            self._missed_wake = True  # acted on when the boundary's copies have landed
+        else:
+            super().wake()
+
     def _iteration(self) -> None:
+        start = self.ctx.loop.now
+        self._boundary(start)
+        self._after_copies(lambda: self._forward(start))
+
+    def _forward(self, start: float) -> None:
+        """Runs the iteration once the boundary's copies have landed."""
         ctx = self.ctx
-        start = ctx.loop.now
-        ready = self._boundary(start)
+        ready = ctx.loop.now
+        self.is_busy = False
         runnable = [s for s in self.running if ctx.stores.grow(s, s.num_tokens)]
         if not runnable:
-            self._unstick(ready)
+            self._unstick()
             return
         self._report_window(runnable)
         lengths = [s.num_tokens for s in runnable]
@@ -81,6 +97,28 @@ class DecodeInstance(SimActor):
         _, end = self.device.run(ready, forward_time)
         self.is_busy = True
         ctx.loop.at(end, lambda: self._done(start, runnable, lengths, forward_time, ready - start))
+
+    def _copy(self, link: Link, num_blocks: int, on_land: Callback | None = None) -> None:
+        """Queues one boundary copy; `_after_copies` issues them one after another."""
+        self._copies.append((link, num_blocks, on_land))
+
+    def _after_copies(self, then: Callback) -> None:
+        """Issues the queued copies one at a time, each when the previous has landed (the
+        engine awaits each move, so on a CPU a prefill queued meanwhile runs between
+        them), then calls `then`. The instance is busy meanwhile."""
+        if not self._copies:
+            then()
+            return
+        self.is_busy = True
+        link, num_blocks, on_land = self._copies.popleft()
+        landed = self.ctx.copy(link, self.ctx.loop.now, num_blocks)
+
+        def land() -> None:
+            if on_land is not None:
+                on_land()
+            self._after_copies(then)
+
+        self.ctx.loop.at(landed, land)
 
     def _done(self, start: float, batch: list[SimSeq], lengths: list[int],
               forward_time: float, schedule_time: float) -> None:
@@ -114,23 +152,21 @@ class DecodeInstance(SimActor):
         growth = sum(1 for s in self.running if s.num_tokens > s.num_blocks * block_size)
         return growth > self.store.num_free
 
-    def _boundary(self, start: float) -> float:
-        """Applies the policy's plan; returns when the boundary's copies have landed."""
-        ready = start
+    def _boundary(self, start: float) -> None:
+        """Applies the policy's plan; its copies are queued (see `_after_copies`)."""
         if self._needs_plan():
             began = time.perf_counter()
             plan: BoundaryPlan = self.ctx.policy.plan_boundary(self._view())
             self.ctx.policy_time += time.perf_counter() - began
             by_id = {s.seq_id: s for s in self.running}
             for seq_id in plan.evict:
-                ready = self._evict(by_id[seq_id], ready)
+                self._evict(by_id[seq_id])
             if plan.admit_batch:
                 self.current_batch_id = self.cand_batch_id
-            ready = self._admit(plan.admit_requests, self.cand_requests, ready)
-            ready = self._admit(plan.admit_batch, self.cand_batch, ready)
+            self._admit(plan.admit_requests, self.cand_requests)
+            self._admit(plan.admit_batch, self.cand_batch)
         if not self.cand_batch:
             self.ask_for_batch()
-        return ready
 
     def _view(self) -> BoundaryView:
         blocks_for = self.ctx.stores.blocks_for
@@ -146,31 +182,30 @@ class DecodeInstance(SimActor):
             candidate_requests=views(self.cand_requests),
             candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id)
 
-    def _evict(self, seq: SimSeq, ready: float) -> float:
+    def _evict(self, seq: SimSeq) -> None:
         """Running -> candidate requests buffer, else host pool, else recompute later."""
         ctx = self.ctx
         self.running.remove(seq)
-        ctx.recorder.event(seq, "evicted", ready)
+        ctx.recorder.event(seq, "evicted", ctx.loop.now)
         num_blocks = ctx.stores.move(seq, self.staging)
         if num_blocks:
             seq.status = STAGED
             self.cand_requests.append(seq)
-            return ctx.copy(self.to_staging, ready, num_blocks)
+            self._copy(self.to_staging, num_blocks)
+            return
         num_blocks = ctx.stores.move(seq, self.pool.host)
         if num_blocks:
             seq.status = POOLED
-            landed = ctx.copy(self.to_host, ready, num_blocks)
-            ctx.loop.at(landed, lambda: self.pool.add(seq))
-            return landed
+            self._copy(self.to_host, num_blocks, lambda: self.pool.add(seq))
+            return
         ctx.stores.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
         seq.num_computed = 0
         min(self.prefills, key=lambda p: p.num_waiting_tokens).submit(seq, front=True)
-        return ready
 
-    def _admit(self, seq_ids: tuple[str, ...], buffer: list[SimSeq], ready: float) -> float:
+    def _admit(self, seq_ids: tuple[str, ...], buffer: list[SimSeq]) -> None:
         """Candidate buffer -> decode store, copying each seq's KV from where it is."""
         if not seq_ids:
-            return ready
+            return
         ctx = self.ctx
         by_id = {seq.seq_id: seq for seq in buffer}
         admitted: set[str] = set()
@@ -185,11 +220,10 @@ class DecodeInstance(SimActor):
             freed_staging |= source is self.staging
             freed_host |= source is not self.staging
             link = self.from_staging if source is self.staging else self.from_host
-            ready = ctx.copy(link, ready, num_blocks)
             if seq.batch_id < 0:
                 seq.batch_id = self.current_batch_id
-            if seq.status < DECODING:
-                ctx.recorder.event(seq, "decode_start", ready)
+            starts = seq.status < DECODING
+            self._copy(link, num_blocks, partial(self._landed, seq) if starts else None)
             seq.status = DECODING
             self.running.append(seq)
         buffer[:] = [seq for seq in buffer if seq.seq_id not in admitted]
@@ -198,13 +232,23 @@ class DecodeInstance(SimActor):
         if freed_staging and not self.cand_batch:
             self.want_sent = False
             self.ask_for_batch()
-        return ready
 
-    def _unstick(self, ready: float) -> None:
+    def _landed(self, seq: SimSeq) -> None:
+        self.ctx.recorder.event(seq, "decode_start", self.ctx.loop.now)
+
+    def _unstick(self) -> None:
         """Nothing could run: evict the longest running seq (then retry), or wait."""
         if not self.running:
+            if self._missed_wake:
+                self._missed_wake = False
+                self.wake()
             return
-        self.finish_at(self._evict(max(self.running, key=lambda s: s.num_tokens), ready))
+        self._evict(max(self.running, key=lambda s: s.num_tokens))
+        self._after_copies(self._resume)
+
+    def _resume(self) -> None:
+        self.is_busy = False
+        self.act()
 
     def _report_window(self, runnable: list[SimSeq]) -> None:
         """Tells the batcher the running length window when it changes (dynamic prefetch)."""

@@ -199,22 +199,29 @@ class Stores:
 
 
 class Link:
-    """One direction of one link: transfers queue behind each other (FIFO)."""
+    """One direction of one link: transfers queue behind each other (FIFO).
 
-    __slots__ = ("name", "bandwidth", "busy_until", "num_bytes")
+    With `device`, the copies run on that device's compute timeline instead (the engine on
+    a CPU copies between CPU stores in the device's worker thread, between its forwards).
+    """
 
-    def __init__(self, name: str, bandwidth: float) -> None:
+    __slots__ = ("name", "bandwidth", "busy_until", "num_bytes", "device")
+
+    def __init__(self, name: str, bandwidth: float, device: Device | None = None) -> None:
         if not bandwidth > 0:
             raise ValueError(f"bandwidth ({bandwidth}) of link {name!r} must be > 0")
-        self.name, self.bandwidth = name, bandwidth
+        self.name, self.bandwidth, self.device = name, bandwidth, device
         self.busy_until = 0.0
         self.num_bytes = 0.0  # moved so far
 
     def transfer(self, start: float, num_bytes: float) -> float:
         """Queues `num_bytes` no earlier than `start`; returns when they have arrived."""
+        self.num_bytes += num_bytes
+        if self.device is not None:
+            self.busy_until = self.device.run(start, num_bytes / self.bandwidth)[1]
+            return self.busy_until
         begin = max(start, self.busy_until)
         self.busy_until = begin + num_bytes / self.bandwidth
-        self.num_bytes += num_bytes
         return self.busy_until
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 from bench.sim.cluster import SimContext
@@ -131,13 +132,16 @@ class Batcher(SimActor):
         for instance in sorted(self.wanting):
             if not len(self.pool):
                 return False
-            budget = int(cfg.num_decode_blocks * cfg.batch_kv_fraction)
-            if policy.uses_staging:
-                budget = min(budget, self.staging[instance].num_free)
-            if budget <= 0:
-                continue
+            # NOTE: as in the engine (aserve/actors/batcher.py), the budget is a share of the
+            # decode cache, not capped by free staging: what the staging buffer cannot take
+            # stays in the host pool and is copied straight to decode when admitted; when only
+            # requests above the share are pooled, one of them gets the whole cache.
             start = time.perf_counter()
-            seq_ids = policy.next_batch(budget, cfg.max_batch_size, self.ctx.loop.now)
+            seq_ids = policy.next_batch(int(cfg.num_decode_blocks * cfg.batch_kv_fraction),
+                                        cfg.max_batch_size, self.ctx.loop.now)
+            if not seq_ids:
+                seq_ids = policy.next_batch(cfg.num_decode_blocks, cfg.max_batch_size,
+                                            self.ctx.loop.now)
             self.ctx.policy_time += time.perf_counter() - start
             if not seq_ids:
                 continue
@@ -167,21 +171,30 @@ class Batcher(SimActor):
 
     def _stage(self, seqs: list[SimSeq], instance: int, batch_id: int,
                deliver: Deliver) -> None:
-        """Prefetches `seqs` host -> staging (in order), then delivers them all at once."""
-        ctx = self.ctx
-        staging = self.staging[instance]
-        device = ctx.config.prefill_devices[instance % len(ctx.config.prefill_devices)]
-        link = ctx.host_link(device, "h2d")
-        now = ctx.loop.now
-        done = now
+        """Prefetches `seqs` host -> staging one after another (each copy starts when the
+        previous lands, as the engine awaits each move), then delivers them all at once."""
         for seq in seqs:
             seq.instance, seq.batch_id = instance, batch_id
-            num_blocks = ctx.stores.move(seq, staging) if ctx.policy.uses_staging else 0
+        self._stage_from(seqs, 0, instance, deliver, False)
+
+    def _stage_from(self, seqs: list[SimSeq], index: int, instance: int, deliver: Deliver,
+                    moved_any: bool) -> None:
+        ctx = self.ctx
+        batch_id = seqs[0].batch_id if seqs else -1
+        while index < len(seqs):
+            seq = seqs[index]
+            index += 1
+            num_blocks = ctx.stores.move(seq, self.staging[instance]) \
+                if ctx.policy.uses_staging else 0
             if num_blocks:
-                done = ctx.copy(link, done, num_blocks)
+                device = ctx.config.prefill_devices[instance % len(ctx.config.prefill_devices)]
+                done = ctx.copy(ctx.host_link(device, "h2d"), ctx.loop.now, num_blocks)
                 seq.status = STAGED
                 ctx.recorder.event(seq, "prefetched", done)
-        ctx.loop.at(done, lambda: self._delivered(deliver, batch_id, seqs, done > now))
+                ctx.loop.at(done, partial(self._stage_from, seqs, index, instance, deliver,
+                                          True))
+                return
+        self._delivered(deliver, batch_id, seqs, moved_any)
 
     def _deliver_batch(self, batch_id: int, seqs: list[SimSeq]) -> None:
         instance = seqs[0].instance

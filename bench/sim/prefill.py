@@ -88,17 +88,15 @@ class PrefillInstance(SimActor):
         self.act()
 
     def _offload(self) -> None:
-        """Starts the copies of blocked requests to the host pool while it has room; each
-        request is pooled when its copy lands, and the instance is busy until the last."""
-        loop, stores = self.ctx.loop, self.ctx.stores
-        time, last = loop.now, None
-        while self.blocked:
-            seq = self.blocked[0]
-            num_blocks = stores.move(seq, self.pool.host)
-            if not num_blocks:
-                break
-            self.blocked.popleft()
-            time = last = self.ctx.copy(self.offload_link, time, num_blocks)
-            loop.at(time, partial(self.pool.add, seq))
-        if last is not None:
-            self.finish_at(last)
+        """Copies the first blocked request to the host pool if it has room; it is pooled
+        when its copy lands, and the next one starts then (the engine awaits each move, so
+        on a CPU, where copies run in the device's thread, forwards queued meanwhile run
+        between them). The instance is busy until the last copy lands."""
+        seq = self.blocked[0]
+        num_blocks = self.ctx.stores.move(seq, self.pool.host)
+        if not num_blocks:
+            return  # the pool is full: notify_space wakes the instance
+        self.blocked.popleft()
+        landed = self.ctx.copy(self.offload_link, self.ctx.loop.now, num_blocks)
+        self.ctx.loop.at(landed, partial(self.pool.add, seq))
+        self.finish_at(landed)

@@ -61,16 +61,13 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
         ValueError: naming the first request that does not fit and the limit.
     """
     block = config.block_size
-    decode_limit = int(config.num_decode_blocks * config.batch_kv_fraction) if uses_pool \
-        else config.num_decode_blocks
-    limits = [("num_decode_blocks", decode_limit)]
+    # NOTE: as in the engine, a request above the batch share of decode KV gets the whole
+    # cache, and one larger than the staging buffer stays in the host pool until admitted
+    # (so `uses_staging` sets no limit).
+    limits = [("num_decode_blocks", config.num_decode_blocks)]
     if uses_pool:
         limits += [("num_prefill_blocks", config.num_prefill_blocks),
                    ("num_host_blocks", config.num_host_blocks)]
-    if uses_staging:
-        # NOTE: the batcher caps a batch at the free staging blocks (as the engine does), so
-        # a request larger than the staging buffer would never leave the pool.
-        limits.append(("num_staging_blocks", config.num_staging_blocks))
     for req in workload.requests:
         num_blocks = -(-(req.prompt_len + req.output_len) // block)
         for name, limit in limits:

@@ -19,6 +19,7 @@ from bench.workloads import Workload
 
 METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
 TOLERANCE = 0.15  # issue 9: predictions within 15 % of the engine
+BENCH_BATCH_REQUESTS = 32  # `aserve bench --batch-requests` default (BenchSettings)
 _CLUSTER_KEYS = ("block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
                  "max_prefill_tokens", "max_batch_size", "min_requests", "leaf_width",
                  "batch_kv_fraction", "starvation_threshold")
@@ -61,6 +62,25 @@ def cluster_from_header(header: Mapping[str, object]) -> ClusterConfig:
     return ClusterConfig(**fields)  # type: ignore[arg-type]
 
 
+def policy_of(system: str) -> str:
+    """The policy of a benchmark system name ("aligned/paged" -> "aligned")."""
+    return system.split("/", 1)[0]
+
+
+def cluster_for_bench(header: Mapping[str, object], workload: Workload,
+                      batch_requests: int = BENCH_BATCH_REQUESTS) -> ClusterConfig:
+    """The cluster `aserve bench` builds for `workload`: the header's sizes when it has
+    them, else the harness's own sizing rule (`bench.harness.size_engine`) applied to the
+    workload, the header's model and dtype (the iteration logs do not carry the sizing)."""
+    if any(k in header for k in _CLUSTER_KEYS):
+        return cluster_from_header(header)
+    from bench.harness import model_config, size_engine  # torch: imported only when needed
+
+    model, dtype = str(header.get("model", "opt-125m")), str(header.get("dtype", "bfloat16"))
+    sizing = size_engine(workload, model_config(model), dtype, batch_requests)
+    return cluster_from_header({**header, **sizing.options()})
+
+
 def calibration_from_header(header: Mapping[str, object],
                             records: Sequence[Record]) -> Calibration:
     """Fits the cost model named by the header (model, dtype, attention, hardware)."""
@@ -85,11 +105,11 @@ def validate(header: Mapping[str, object], records: Sequence[Record],
     hw = replace(get_hardware(calibration.hardware), dtype_bytes=calibration.dtype_bytes)
     cost = CostModel(get_geometry(calibration.model), hw, calibration.params,
                      calibration.kernel)
-    config = config or cluster_from_header(header)
+    config = config or cluster_for_bench(header, workload)
     rows: list[ValidationRow] = []
     for row in measured:
         system = str(row["system"])
-        summary = simulate(workload, system, config, cost).summary()
+        summary = simulate(workload, policy_of(system), config, cost).summary()
         for metric in METRICS:
             value = row.get(metric)
             rows.append(ValidationRow(system, metric, float(getattr(summary, metric)),

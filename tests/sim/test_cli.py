@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim.validate import ValidationRow, cluster_from_header, validate
+from bench.sim.cluster import ClusterConfig
+from bench.sim.validate import (
+    ValidationRow,
+    cluster_for_bench,
+    cluster_from_header,
+    policy_of,
+    validate,
+)
 from bench.sim_cli import main
 from bench.workloads import synthetic
 
@@ -71,3 +78,19 @@ def test_validate_prints_predicted_against_measured(tmp_path: Path,
     assert {r.metric for r in rows} >= {"decode_throughput", "tpot_p99"}
     assert "| fcfs | decode_throughput |" in capsys.readouterr().out
     assert ValidationRow("x", "m", 1.1, 1.0).rel_error == pytest.approx(0.1)
+
+
+def test_validate_reads_bench_logs_sized_as_the_harness_sizes_the_engine() -> None:
+    """`aserve bench` logs carry only model, dtype, system and workload: the cluster must
+    be the one the harness built (its sizing rule), and "fcfs/paged" must run as fcfs."""
+    from bench.harness import model_config, size_engine
+
+    workload = synthetic(24, short_range=(16, 64), long_range=(64, 128), output_range=8)
+    header = {"model": "opt-125m", "dtype": "bfloat16", "system": "fcfs/paged"}
+    config = cluster_for_bench(header, workload)
+    sizing = size_engine(workload, model_config("opt-125m"), "bfloat16", 32)
+    assert (config.num_decode_blocks, config.num_staging_blocks, config.min_requests,
+            config.max_batch_size) == (sizing.num_decode_blocks, sizing.num_staging_blocks,
+                                       sizing.min_requests, sizing.max_batch_size)
+    assert config.num_decode_blocks != ClusterConfig().num_decode_blocks
+    assert policy_of("aligned/paged") == "aligned" and policy_of("fcfs") == "fcfs"

@@ -81,6 +81,17 @@ def test_link_transfers_queue_behind_each_other() -> None:
     assert link.transfer(3.0, 100.0) == pytest.approx(4.0)  # idle link starts at once
 
 
+def test_link_on_a_device_queues_copies_with_its_forwards() -> None:
+    """On a CPU the engine copies in the device's thread: a copy waits for the forward
+    booked before it, and the next forward waits for the copy."""
+    device = Device("cpu")
+    link = Link("cpu.d2h", bandwidth=100.0, device=device)
+    device.run(0.0, 1.0)
+    assert link.transfer(0.5, 100.0) == pytest.approx(2.0)
+    assert device.run(0.0, 1.0) == pytest.approx((2.0, 3.0))
+    assert device.busy_time == pytest.approx(3.0) and link.num_bytes == 100.0
+
+
 def test_device_runs_steps_one_after_another() -> None:
     device = Device("gpu0")
     assert device.run(0.0, 2.0) == (0.0, 2.0)

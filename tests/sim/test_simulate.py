@@ -106,12 +106,14 @@ def test_a_request_larger_than_the_decode_store_is_refused() -> None:
         simulate(_workload(("big", 40, 10, 0.0)), "aligned", config, _unit_cost())
 
 
-def test_a_request_larger_than_the_staging_buffer_is_refused_with_prefetch() -> None:
+def test_a_request_larger_than_the_staging_buffer_bypasses_it() -> None:
+    """As in the engine's batcher: what staging cannot take stays in the host pool and is
+    copied straight to decode when admitted (no "prefetched" event for it)."""
     config = _config(block_size=4, num_staging_blocks=5)
-    with pytest.raises(ValueError, match="num_staging_blocks"):
-        simulate(_workload(("big", 16, 8, 0.0)), "aligned", config, _unit_cost())
-    assert simulate(_workload(("big", 16, 8, 0.0)), "aligned-noprefetch", config,
-                    _unit_cost()).num_finished == 1
+    for system in ("aligned", "aligned-noprefetch"):
+        result = simulate(_workload(("big", 24, 8, 0.0)), system, config, _unit_cost())
+        assert result.num_finished == 1
+        assert not [e for e in result.events if e.kind == "prefetched"]
 
 
 def test_unknown_system_is_refused() -> None:
@@ -129,3 +131,21 @@ def test_gpu_cluster_under_load_finishes_everything(system: str, seed: int) -> N
     result = simulate(workload, system, config, CostModel(geometry, hw, kernel="split-k"))
     assert result.num_finished == workload.num_requests
     assert all(n == 0 for n in result.blocks_left.values())
+
+
+def test_cpu_copies_take_device_time() -> None:
+    """On a CPU cluster (one device for prefill and decode), KV copies occupy the device:
+    its busy time is the forwards plus every copy."""
+    hw = Hardware("cpu", memory_bandwidth=FAST, matmul_rate=FAST, num_sms=2, memory_bytes=FAST,
+                  host_link_bandwidth=1e6, device_link_bandwidth=1e6, host_memory_bytes=FAST)
+    params = CostParams(step_overhead=1.0, per_seq_overhead=0.0, bw_efficiency=1.0,
+                        flops_efficiency=1.0)
+    cost = CostModel(get_geometry("opt-tiny"), hw, params)
+    block_s = cost.kv_bytes(1, 16) / 1e6  # seconds to copy one 16-token block
+    workload = _workload(("a", 16, 4, 0.0), ("b", 16, 4, 0.0))
+    result = simulate(workload, "fcfs", ClusterConfig(min_requests=1, max_batch_size=2), cost)
+    forwards = 1 + len(result.iterations)  # one packed prefill, then the decode iterations
+    # each request's one block goes over the host link twice (offload, prefetch); staging
+    # -> decode is a copy within the one device, at its (FAST) memory bandwidth
+    assert result.device_busy["cpu"] == pytest.approx(forwards + 4 * block_s)
+    assert result.end_time >= forwards + 4 * block_s - EPS
