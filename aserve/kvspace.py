@@ -74,6 +74,13 @@ class KVSpace:
         reach its `fail_next` hook through this)."""
         return self._engine(self.stores[src_name], self.stores[dst_name])
 
+    def executor(self, src_name: str, dst_name: str) -> Executor:
+        """The thread that runs copies from store `src_name` to store `dst_name`, in order."""
+        src, dst = self.stores[src_name], self.stores[dst_name]
+        if src.device.type == dst.device.type == "cpu":
+            return self._cpu_executor
+        return self.copy_executor
+
     def allocate(self, seq: Sequence, name: str, num_tokens: int) -> bool:
         """Gives `seq` fresh blocks in store `name`; False (nothing changed) when full."""
         assert not seq.location, f"{seq.seq_id} already holds KV in {seq.location}"
@@ -113,10 +120,8 @@ class KVSpace:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
-            executor = (self._cpu_executor if src.device.type == dst.device.type == "cpu"
-                        else self.copy_executor)
-            await loop.run_in_executor(executor, _copy, engine, src, src_ids, dst,
-                                       dst_ids)
+            await loop.run_in_executor(self.executor(src.name, dst_name), _copy, engine, src,
+                                       src_ids, dst, dst_ids)
         except BaseException:
             dst.allocator.free(seq.seq_id)
             raise
