@@ -23,7 +23,6 @@ from aserve.actors.pool import PoolActor
 from aserve.actors.prefill import PrefillActor
 from aserve.config import EngineConfig
 from aserve.core import (
-    FINISH_REASONS,
     Request,
     RequestOutput,
     SamplingParams,
@@ -36,13 +35,12 @@ from aserve.kvspace import KVSpace
 from aserve.messages import Abort, Submit
 from aserve.outputs import Outputs
 from aserve.runner import ModelRunner
+from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from scheduler import PolicyConfig, get_policy
 from transport.kv import KVGeometry
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64}
 
 
 class Engine:
@@ -80,7 +78,7 @@ class Engine:
             model_config.vocab_size, model_config.eos_token_id, model_config.bos_token_id)
         geometry = KVGeometry(model_config.num_layers, model_config.num_heads,
                               model_config.head_dim, cfg.cache.block_size,
-                              DTYPES[cfg.model.dtype])
+                              resolve_dtype(cfg.model.dtype))
         sched = cfg.scheduler
         policy = get_policy(sched.policy, PolicyConfig(
             min_requests=sched.min_requests, leaf_width=sched.leaf_width,
@@ -322,4 +320,4 @@ def _pow4_at_least(n: int) -> int:
     return size
 
 
-__all__ = ["Engine", "FINISH_REASONS"]
+__all__ = ["Engine"]
