@@ -247,6 +247,15 @@ class Engine:
     def _on_finish(self, seq: Sequence) -> None:
         self._live.pop(seq.seq_id, None)
 
+    async def complete(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestOutput:
+        """Runs one request to its end and returns its final output."""
+        last = None
+        async for last in self.generate(prompt, params, request_id):
+            pass
+        assert last is not None, "generate yields at least the final output"
+        return last
+
     def abort(self, request_id: str) -> None:
         """Ends a request wherever it is; its blocks are freed by the actor that holds it."""
         self.finish_request(request_id, SeqStatus.FINISHED_ABORTED)

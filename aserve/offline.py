@@ -27,13 +27,8 @@ def generate(prompts: Sequence[str | list[int]],
 async def _generate_all(prompts: list[str | list[int]], params: list[SamplingParams],
                         config: EngineConfig | None) -> list[RequestOutput]:
     async with Engine(config) as engine:
-        async def one(prompt: str | list[int], p: SamplingParams) -> RequestOutput:
-            last = None
-            async for last in engine.generate(prompt, p):
-                pass
-            assert last is not None, "generate yields at least the final output"
-            return last
-        return list(await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params))))
+        return list(await asyncio.gather(*(engine.complete(pr, p)
+                                           for pr, p in zip(prompts, params))))
 
 
 def run(coro):  # type: ignore[no-untyped-def]

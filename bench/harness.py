@@ -176,15 +176,12 @@ async def _warm_up(engine: Engine, prompts: Sequence[list[int]]) -> None:
 
 async def _collect(engine: Engine, prompt: list[int], params: SamplingParams,
                    request_id: str, on_finish: OnFinish | None = None) -> list[int]:
-    token_ids: list[int] = []
-    async for out in engine.generate(prompt, params, request_id):
-        token_ids = out.token_ids
-        if out.finished and out.finish_reason != "length":
-            raise RuntimeError(f"request {request_id} ended with {out.finish_reason}: "
-                               f"{out.error}")
+    out = await engine.complete(prompt, params, request_id)
+    if out.finish_reason != "length":
+        raise RuntimeError(f"request {request_id} ended with {out.finish_reason}: {out.error}")
     if on_finish is not None:
         on_finish()
-    return token_ids
+    return out.token_ids
 
 
 class LoopLagProbe:

@@ -18,11 +18,7 @@ POLICIES = ["fcfs", "continuous", "aligned", "aligned-noprefetch"]
 
 async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParams,
                   request_id: str | None = None) -> RequestOutput:
-    last = None
-    async for last in engine.generate(prompt, params, request_id):
-        pass
-    assert last is not None
-    return last
+    return await engine.complete(prompt, params, request_id)
 
 
 async def settle(engine: Engine, timeout: float = 5.0) -> None:
