@@ -73,7 +73,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     leaf_width: int = 16  # quad-tree leaf range (tokens)
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
-    match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
+    max_spread: float = 1.5  # aligned: refills keep a batch's longest/shortest prefix within this
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
 
     def __post_init__(self) -> None:
@@ -88,6 +88,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting ({self.max_waiting}) must be >= 1")
+        if self.max_spread < 1:
+            raise ValueError(f"max_spread ({self.max_spread}) must be >= 1")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,13 +201,15 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         default=d("max_prefill_tokens", s.max_prefill_tokens))
     parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
     parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
+    parser.add_argument("--max-spread", type=float, default=d("max_spread", s.max_spread),
+                        help="aligned: longest/shortest prefix a refill may leave in a batch")
     parser.add_argument("--seed", type=int, default=d("seed", 0))
 
 
 _ENGINE_ARGS = (
     "model", "dtype", "attention", "max_position_embeddings", "policy", "block_size",
     "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks", "host_pool_gb",
-    "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting", "seed",
+    "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting", "max_spread", "seed",
 )
 
 

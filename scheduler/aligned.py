@@ -4,6 +4,7 @@ dynamic prefetch, and batch-level scheduling at iteration boundaries (DESIGN §1
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from scheduler.batching import (
@@ -13,8 +14,11 @@ from scheduler.batching import (
     by_arrival,
     by_distance,
     by_length_desc,
+    fits_spread,
     median_length,
+    plan_admissions,
     plan_boundary_with,
+    plan_evictions,
     take_in_order,
 )
 from scheduler.dfs import anchored_search, density_first_search
@@ -34,7 +38,11 @@ class AlignedPolicy(Policy):
         self.tree = QuadTree(config.max_len, config.leaf_width)
 
     def add(self, seq: SeqView) -> None:
-        self.tree.insert(seq.seq_id, seq.length, seq.num_blocks, seq.arrival_time)
+        # NOTE: starvation counts from a request's last progress (its last token), not from
+        # its arrival: one returned to the pool mid-decode has been served, and by arrival
+        # time it would count as starving at once, overtaking fresh requests that have
+        # waited longer than it without a token.
+        self.tree.insert(seq.seq_id, seq.length, seq.num_blocks, seq.wait_start)
 
     def remove(self, seq_id: str) -> None:
         self.tree.remove(seq_id)
@@ -57,7 +65,16 @@ class AlignedPolicy(Policy):
         threshold = self.config.starvation_threshold
         if threshold is None or view.now is None:
             return False
-        return any(view.now - s.arrival_time > threshold for s in seqs)
+        return any(view.now - s.wait_start > threshold for s in seqs)
+
+    def is_overdue(self, view: BoundaryView, seq: SeqView) -> bool:
+        """Whether ``seq`` arrived longer than the starvation threshold ago: it is never
+        sent back to the pool, so a request served by starvation control keeps its place
+        (otherwise the next switch would return it, and it would starve again)."""
+        threshold = self.config.starvation_threshold
+        if threshold is None or view.now is None:
+            return False
+        return view.now - seq.arrival_time > threshold
 
     def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
         """DFS, except that a starving request is served first, with the subtree around it.
@@ -93,33 +110,65 @@ class AlignedPolicy(Policy):
 
         - Short of room: evict the longest seq of the old batch (running seqs whose
           batch_id differs from current_batch_id) while there is one, else the longest,
-          until the next step fits.
-        - Otherwise admit candidate requests closest in length to the current batch first
-          (they join without widening its length spread, which is the whole point), then
-          candidate-batch seqs oldest first (a batch switch; seqs that do not fit yet wait
-          for the old batch to drain, and oldest-first keeps that wait fair).
+          until the next step fits. Old-batch victims go back to the pool (they match
+          neither batch), the others to the candidate requests buffer (so do old-batch
+          victims that arrived longer than the starvation threshold ago).
+        - Otherwise admit candidate requests closest in length to the current batch first,
+          each only if the running batch stays within ``max_spread`` (they join without
+          widening its length spread, which is the whole point), then candidate-batch seqs
+          oldest first (a batch switch). At a switch, running seqs and candidate requests
+          that would break ``max_spread`` against the new batch go back to the pool: the
+          switch frees their room at once instead of mixing two lengths until they finish
+          (except requests that arrived longer than the starvation threshold ago).
         """
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
         victims = by_length_desc(old) + by_length_desc(current)
-        reference = next((m for m in (median_length(current), median_length(view.running),
-                                      median_length(view.candidate_batch)) if m is not None),
-                         None)
-        requests = (by_arrival(view.candidate_requests) if reference is None
-                    else by_distance(view.candidate_requests, reference))
         # NOTE: starvation at the boundary. An evicted long request can wait in the candidate
         # requests buffer behind closer-length ones forever, and candidate requests matching
         # the running batch can keep it fed while a starving request waits in the candidate
         # batch; smaller neighbours would keep taking the room it needs. So a buffer holding a
-        # starving request goes first, strictly in arrival order.
+        # starving request goes first, strictly in arrival order, alignment aside.
         if self.is_starving(view, view.candidate_requests):
             return plan_boundary_with(view, victims, by_arrival(view.candidate_requests), [],
                                       is_strict=True)
         if self.is_starving(view, view.candidate_batch):
             return plan_boundary_with(view, victims, [], by_arrival(view.candidate_batch),
                                       is_strict=True)
-        return plan_boundary_with(view, victims, requests, by_arrival(view.candidate_batch),
-                                  is_strict=False)
+        evict = plan_evictions(view, victims)
+        if evict:
+            returned = {s.seq_id for s in old if not self.is_overdue(view, s)}
+            return BoundaryPlan(evict=tuple(i for i in evict if i not in returned),
+                                to_pool=tuple(i for i in evict if i in returned))
+        reference = next((m for m in (median_length(current), median_length(view.running),
+                                      median_length(view.candidate_batch)) if m is not None),
+                         None)
+        requests = (by_arrival(view.candidate_requests) if reference is None
+                    else by_distance(view.candidate_requests, reference))
+        batch = by_arrival(view.candidate_batch)
+        plan = plan_admissions(view, requests, batch, is_strict=False,
+                               max_spread=self.config.max_spread)
+        if not plan.admit_batch:
+            return plan
+        return self._switch(view, requests, batch)
+
+    def _switch(self, view: BoundaryView, requests: Sequence[SeqView],
+                batch: Sequence[SeqView]) -> BoundaryPlan:
+        """A batch switch: running seqs and candidate requests that do not fit
+        ``max_spread`` with the candidate batch return to the pool, then admission runs
+        again on the room they free."""
+        spread = self.config.max_spread
+        batch_lengths = [s.length for s in batch]
+        stale = [s for s in (*view.running, *view.candidate_requests)
+                 if not fits_spread(batch_lengths, s.length, spread)
+                 and not self.is_overdue(view, s)]
+        stale_ids = {s.seq_id for s in stale}
+        kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
+        freed = sum(s.num_blocks for s in view.running if s.seq_id in stale_ids)
+        after = dataclasses.replace(view, running=kept, free_blocks=view.free_blocks + freed)
+        requests = [s for s in requests if s.seq_id not in stale_ids]
+        plan = plan_admissions(after, requests, batch, is_strict=False, max_spread=spread)
+        return dataclasses.replace(plan, to_pool=tuple(s.seq_id for s in stale))
 
 
 @register_policy

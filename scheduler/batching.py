@@ -22,6 +22,12 @@ class SeqView:
     num_blocks: int  # blocks its KV holds now
     arrival_time: float  # seconds, caller's clock
     batch_id: int = -1  # candidate batch it was admitted with (-1: a single request)
+    waiting_since: float | None = None  # its last progress, e.g. last token (None: arrival)
+
+    @property
+    def wait_start(self) -> float:
+        """Since when it has waited without progress (starvation control's clock)."""
+        return self.arrival_time if self.waiting_since is None else self.waiting_since
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +54,13 @@ class BoundaryView:
 
 @dataclass(frozen=True, slots=True)
 class BoundaryPlan:
-    """What to move at this boundary; the engine applies evictions before admissions."""
+    """What to move at this boundary; the engine applies evictions, then returns to the
+    pool, then admissions."""
 
     evict: tuple[str, ...] = ()  # running -> candidate requests buffer (or pool if full)
     admit_requests: tuple[str, ...] = ()  # candidate requests buffer -> running
     admit_batch: tuple[str, ...] = ()  # candidate batch -> running
+    to_pool: tuple[str, ...] = ()  # running or candidate requests -> host pool, to be re-batched
 
 
 def blocks_needed(seq: SeqView, block_size: int, num_lookahead: int = 0) -> int:
@@ -95,6 +103,14 @@ def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:
     return sorted(seqs, key=lambda s: (abs(s.length - reference), s.arrival_time, s.seq_id))
 
 
+def fits_spread(lengths: Sequence[int], length: int, max_spread: float) -> bool:
+    """Whether ``length`` joins ``lengths`` with the longest at most ``max_spread`` times
+    the shortest (always true for an empty group)."""
+    if not lengths:
+        return True
+    return max(max(lengths), length) <= max_spread * min(min(lengths), length)
+
+
 def median_length(seqs: Sequence[SeqView]) -> float | None:
     return statistics.median(s.length for s in seqs) if seqs else None
 
@@ -126,20 +142,26 @@ def admission_room(view: BoundaryView) -> tuple[int, int]:
 
 
 def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
-                    is_strict: bool) -> BoundaryPlan:
+                    is_strict: bool, max_spread: float | None = None) -> BoundaryPlan:
     """Admit candidate requests, then the candidate batch, in the given orders.
 
     A seq is admitted only if it fits the remaining blocks with its growth (for the next
     step and the one after) and a batch slot is free. ``is_strict`` (FCFS): the first seq
     that does not fit stops all admission; otherwise it is skipped and smaller ones behind
-    it may still enter.
+    it may still enter. ``max_spread``: a candidate request is also skipped if it would
+    leave the running seqs plus those admitted so far with the longest above
+    ``max_spread`` times the shortest (the candidate batch is not held to it).
     """
     blocks_left, slots_left = admission_room(view)
+    lengths = [s.length for s in view.running]
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:
             if slots_left <= 0:
                 break
+            if (chosen is admitted[0] and max_spread is not None
+                    and not fits_spread(lengths, seq.length, max_spread)):
+                continue
             cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
             if cost > blocks_left:
                 if is_strict:
@@ -147,6 +169,7 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
                     break
                 continue
             chosen.append(seq.seq_id)
+            lengths.append(seq.length)
             blocks_left -= cost
             slots_left -= 1
     return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))

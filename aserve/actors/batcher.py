@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from aserve.actors.base import Actor, EngineContext
 from aserve.core import SeqStatus, Sequence
 from aserve.messages import (
@@ -96,7 +98,11 @@ class BatcherActor(Actor):
         reply: asyncio.Future[list[Sequence]] = asyncio.get_running_loop().create_future()
         self.ctx.pool.send(TakeMatching(window.lo, window.hi, room, window.max_requests, reply))
         self.holding = await reply
-        if self.holding:
+        if self.holding:  # this window's room is spent until the instance reports again
+            taken = sum(self.ctx.kv.blocks_for(s.num_computed_tokens) for s in self.holding)
+            self.windows[instance] = msgspec.structs.replace(
+                window, max_blocks=window.max_blocks - taken,
+                max_requests=window.max_requests - len(self.holding))
             seqs = await self._stage(self.holding, instance, -1)
             self.holding = []
             self.ctx.decode[instance].send(CandidateRequests(seqs))

@@ -105,6 +105,9 @@ class DecodeActor(Actor):
         decision_time = now() - start
         for seq_id in plan.evict:
             await self.evict(next(s for s in self.running if s.seq_id == seq_id))
+        for seq_id in plan.to_pool:
+            await self.to_pool(next(s for s in (*self.running, *self.cand_requests)
+                                    if s.seq_id == seq_id))
         if plan.admit_batch:
             self.current_batch_id = self.cand_batch_id
         await self.admit(plan.admit_requests, self.cand_requests)
@@ -131,6 +134,24 @@ class DecodeActor(Actor):
             seq.num_computed_tokens = 0
             target = min(self.ctx.prefill, key=lambda actor: actor.num_waiting_tokens)
             target.send(Submit(seq, front=True))
+
+    async def to_pool(self, seq: Sequence) -> None:
+        """A running seq or a candidate request -> host pool, where the policy batches it
+        again. If the pool has no room it stays where it was."""
+        source, buffer = seq.location, (self.running if seq in self.running
+                                        else self.cand_requests)
+        if not await self.move(seq, "host"):
+            if seq.is_finished:  # the copy failed: seq alone ended with an error
+                buffer.remove(seq)
+            return
+        buffer.remove(seq)
+        if buffer is self.running:
+            self.ctx.outputs.event(seq.seq_id, "evicted")
+        seq.status = SeqStatus.POOLED
+        assert self.ctx.pool is not None, "disaggregated engine has a pool actor"
+        self.ctx.pool.send(Pooled(seq))
+        if source == self.staging and self.ctx.batcher is not None:
+            self.ctx.batcher.send(PoolChanged())  # staging room: the batcher may retry
 
     async def admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence]) -> None:
         """Candidate buffer -> decode cache (a device-to-device copy from staging, or a
@@ -188,16 +209,20 @@ class DecodeActor(Actor):
             self.stop()
 
     def report_window(self, runnable: list[Sequence]) -> None:
-        """Tells the batcher the current batch's length range (not the old batch's, which
-        would widen it), so pool requests the batch is passing through get staged."""
-        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
-        if not current or self.ctx.batcher is None:
+        """Tells the batcher the length window of pool requests that could join the running
+        batch (the policy's ``prefetch_window``), so they get staged while it decodes."""
+        if self.ctx.batcher is None:
             return
-        window = self.ctx.policy.prefetch_window(current)
+        window = self.ctx.policy.prefetch_window([s.num_tokens for s in runnable])
         if window != self.window:
             self.window = window
-            room = self.store.allocator.num_free
-            slots = self.ctx.config.scheduler.max_batch_size - len(self.running)
+            # NOTE: room net of what the candidate requests buffer already holds: matching
+            # requests beyond what the batch can take would drain the pool into staging,
+            # and the next batch would then be chosen from what little is left there.
+            held = sum(self.ctx.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
+            room = self.store.allocator.num_free - held
+            slots = (self.ctx.config.scheduler.max_batch_size - len(self.running)
+                     - len(self.cand_requests))
             self.ctx.batcher.send(RunningWindow(self.index, *window, room, slots))
 
     def record(self, start: float, batch: list[Sequence], lengths: list[int],

@@ -40,6 +40,7 @@ class DecodeInstance(SimActor):
         self.to_staging = ctx.peer_link(device, staging_device)
         self.from_host = ctx.host_link(device, "h2d")
         self.to_host = ctx.host_link(device, "d2h")
+        self.staging_to_host = ctx.host_link(staging_device, "d2h")
         self.running: list[SimSeq] = []
         self.cand_requests: list[SimSeq] = []  # evicted or dynamically prefetched
         self.cand_batch: list[SimSeq] = []
@@ -161,6 +162,9 @@ class DecodeInstance(SimActor):
             by_id = {s.seq_id: s for s in self.running}
             for seq_id in plan.evict:
                 self._evict(by_id[seq_id])
+            staged = {s.seq_id: s for s in self.cand_requests}
+            for seq_id in plan.to_pool:
+                self._to_pool(by_id.get(seq_id) or staged[seq_id])
             if plan.admit_batch:
                 self.current_batch_id = self.cand_batch_id
             self._admit(plan.admit_requests, self.cand_requests)
@@ -201,6 +205,23 @@ class DecodeInstance(SimActor):
         ctx.stores.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
         seq.num_computed = 0
         min(self.prefills, key=lambda p: p.num_waiting_tokens).submit(seq, front=True)
+
+    def _to_pool(self, seq: SimSeq) -> None:
+        """A running seq or a candidate request -> host pool, to be batched again (it stays
+        where it is if the pool is full)."""
+        ctx = self.ctx
+        num_blocks = ctx.stores.move(seq, self.pool.host)
+        if not num_blocks:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            ctx.recorder.event(seq, "evicted", ctx.loop.now)
+            link = self.to_host
+        else:
+            self.cand_requests.remove(seq)
+            link = self.staging_to_host
+        seq.status = POOLED
+        self._copy(link, num_blocks, lambda: self.pool.add(seq))
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[SimSeq]) -> None:
         """Candidate buffer -> decode store, copying each seq's KV from where it is."""
@@ -258,5 +279,7 @@ class DecodeInstance(SimActor):
         window = policy.prefetch_window([s.num_tokens for s in runnable])
         if window != self.window:
             self.window = window
-            slots = self.ctx.config.max_batch_size - len(self.running)
-            self.batcher.window(self.index, Window(*window, self.store.num_free, slots))
+            # NOTE: room net of the candidate requests already held, as in the engine
+            held = sum(s.num_blocks for s in self.cand_requests)
+            slots = self.ctx.config.max_batch_size - len(self.running) - len(self.cand_requests)
+            self.batcher.window(self.index, Window(*window, self.store.num_free - held, slots))

@@ -50,7 +50,8 @@ class Pool:
         self.ctx.recorder.event(seq, "pooled", self.ctx.loop.now)
         self.seqs[seq.seq_id] = seq
         num_blocks = self.ctx.stores.blocks_for(seq.num_computed)
-        view = SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.arrival_time, seq.batch_id)
+        view = SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.arrival_time, seq.batch_id,
+                       waiting_since=self.ctx.loop.now)
         start = time.perf_counter()
         self.ctx.policy.add(view)
         self.ctx.policy_time += time.perf_counter() - start

@@ -45,14 +45,16 @@ def test_victim_is_the_longest_running_seq(name: str) -> None:
 @pytest.mark.parametrize("name", ALIGNED)
 def test_victim_is_the_longest_of_the_old_batch_while_switching(name: str) -> None:
     running = [seq("old-a", 33, batch_id=1), seq("old-b", 49, batch_id=1), seq("new", 97)]
-    assert plan(name, view(running, free_blocks=1)).evict == ("old-b",)
+    # an old-batch victim matches neither batch: it goes back to the pool to be re-batched
+    assert plan(name, view(running, free_blocks=1)) == BoundaryPlan(to_pool=("old-b",))
 
 
 @pytest.mark.parametrize("name", ALIGNED)
 def test_evicts_until_the_step_fits_old_batch_first(name: str) -> None:
     running = [seq("old", 17, batch_id=1), seq("n1", 33), seq("n2", 65), seq("n3", 49)]
     # need 4, free 0: old frees 1+1, n2 (longest new) frees 4+1.
-    assert plan(name, view(running, free_blocks=0)).evict == ("old", "n2")
+    assert plan(name, view(running, free_blocks=0)) == BoundaryPlan(evict=("n2",),
+                                                                    to_pool=("old",))
 
 
 @pytest.mark.parametrize("name", ALIGNED)
@@ -66,9 +68,28 @@ def test_refills_from_candidate_requests_before_candidate_batch(name: str) -> No
 
 @pytest.mark.parametrize("name", ALIGNED)
 def test_candidate_requests_closest_to_the_current_batch_go_first(name: str) -> None:
-    running = [seq("old", 900, 57, batch_id=1), seq("r1", 100, 7), seq("r2", 110, 7)]
-    requests = (seq("far", 600, 38, arrival=0.0), seq("near", 120, 8, arrival=5.0))
-    assert plan(name, view(running, 8, requests=requests)).admit_requests == ("near",)
+    running = [seq("old", 135, 9, batch_id=1), seq("r1", 100, 7), seq("r2", 110, 7)]
+    requests = (seq("far", 140, 9, arrival=0.0), seq("near", 120, 8, arrival=5.0))
+    assert plan(name, view(running, 9, requests=requests)).admit_requests == ("near",)
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_candidate_requests_never_widen_the_batch_beyond_max_spread(name: str) -> None:
+    running = [seq("r1", 100, 7), seq("r2", 120, 8)]
+    requests = (seq("short", 60, 4, arrival=0.0), seq("long", 160, 10, arrival=1.0),
+                seq("fits", 140, 9, arrival=2.0))
+    # room for all three; 60 and 160 would put the longest above 1.5x the shortest
+    assert plan(name, view(running, 40, requests=requests)).admit_requests == ("fits",)
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_batch_switch_returns_what_does_not_fit_the_new_batch_to_the_pool(name: str) -> None:
+    running = [seq("old-long", 300, 19, batch_id=1), seq("old-near", 110, 7, batch_id=1)]
+    requests = (seq("stale", 290, 19),)
+    batch = (seq("b1", 100, 7, arrival=1.0), seq("b2", 120, 8, arrival=2.0))
+    # 9 free blocks take b1 only; returning old-long frees 19 more, enough for b2 as well
+    got = plan(name, view(running, 9, requests=requests, batch=batch))
+    assert got == BoundaryPlan(admit_batch=("b1", "b2"), to_pool=("old-long", "stale"))
 
 
 def test_fcfs_refills_strictly_by_arrival() -> None:
@@ -129,22 +150,25 @@ def test_plans_fit_and_never_thrash(running: list[SeqView], requests: list[SeqVi
     p = plan(name, v)
     assert not (p.evict and (p.admit_requests or p.admit_batch)), "evict xor admit"
     assert set(p.evict) <= {s.seq_id for s in running}
-    assert set(p.admit_requests) <= {s.seq_id for s in requests}
+    assert set(p.to_pool) <= {s.seq_id for s in running + requests}
+    assert set(p.admit_requests) <= {s.seq_id for s in requests} - set(p.to_pool)
     assert set(p.admit_batch) <= {s.seq_id for s in batch}
-    kept = [s for s in running if s.seq_id not in p.evict]
+    out = p.evict + p.to_pool
+    kept = [s for s in running if s.seq_id not in out]
     admitted = [s for s in requests + batch if s.seq_id in p.admit_requests + p.admit_batch]
-    freed = sum(s.num_blocks for s in running if s.seq_id in p.evict)
+    freed = sum(s.num_blocks for s in running if s.seq_id in out)
     used = (sum(blocks_needed(s, BLOCK_SIZE) for s in kept)
             + sum(blocks_to_admit(s, BLOCK_SIZE) for s in admitted))
     growth = sum(blocks_needed(s, BLOCK_SIZE) for s in running)
     if growth <= free_blocks:
-        assert used <= free_blocks and len(kept) + len(admitted) <= max(max_batch_size,
-                                                                          len(running))
+        assert not p.evict
+        assert used <= free_blocks + freed and len(kept) + len(admitted) <= max(
+            max_batch_size, len(running))
         if admitted:  # the very next boundary must not evict anyone
             after = [SeqView(s.seq_id, s.length + 1, max(s.num_blocks, -(-s.length // 16)),
                              s.arrival_time, s.batch_id) for s in kept + admitted]
-            nxt = replace(v, running=tuple(after), free_blocks=free_blocks - used,
+            nxt = replace(v, running=tuple(after), free_blocks=free_blocks + freed - used,
                           candidate_requests=(), candidate_batch=())
-            assert plan(name, nxt).evict == ()
+            assert plan(name, nxt).evict + plan(name, nxt).to_pool == ()
     else:
-        assert p.evict and used <= free_blocks + freed
+        assert out and used <= free_blocks + freed
