@@ -10,7 +10,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -125,6 +125,18 @@ class DecodeSim:
             self.running[seq_id] = seq
             self.free_blocks -= max(seq.num_blocks, -(-seq.length // BLOCK_SIZE))
 
+    def to_pool(self, seq_ids: tuple[str, ...]) -> list[SeqView]:
+        """Running seqs or candidate requests the plan returns to the pool."""
+        returned = []
+        for seq_id in seq_ids:
+            seq = self.running.pop(seq_id, None)
+            if seq is None:
+                seq = self.requests.pop(seq_id)
+            else:
+                self.free_blocks += seq.num_blocks
+            returned.append(replace(seq, batch_id=-1))
+        return returned
+
     def step(self) -> None:
         """One decode iteration: every running seq grows a token; a few finish."""
         for seq_id, seq in list(self.running.items()):
@@ -160,7 +172,10 @@ def test_bench_per_iteration_decision_with_10k_pooled() -> None:
         samples.append(time.perf_counter() - start)
         if taken:
             with_dfs.append(samples[-1])
-        sim.apply(plan.evict, plan.admit_requests, from_batch=False)
+        sim.apply(plan.evict, (), from_batch=False)
+        for seq in sim.to_pool(plan.to_pool):
+            policy.add(seq)
+        sim.apply((), plan.admit_requests, from_batch=False)
         sim.apply((), plan.admit_batch, from_batch=True)
         if taken:
             sim.batch_id += 1

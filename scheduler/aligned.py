@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
+    LengthRange,
     SeqView,
     by_arrival,
     by_distance,
     by_length_desc,
-    fits_spread,
     median_length,
     plan_admissions,
     plan_boundary_with,
@@ -158,9 +158,9 @@ class AlignedPolicy(Policy):
         ``max_spread`` with the candidate batch return to the pool, then admission runs
         again on the room they free."""
         spread = self.config.max_spread
-        batch_lengths = [s.length for s in batch]
+        batch_range = LengthRange.of(s.length for s in batch)
         stale = [s for s in (*view.running, *view.candidate_requests)
-                 if not fits_spread(batch_lengths, s.length, spread)
+                 if not batch_range.fits(s.length, spread)
                  and not self.is_overdue(view, s)]
         stale_ids = {s.seq_id for s in stale}
         kept = tuple(s for s in view.running if s.seq_id not in stale_ids)

@@ -103,12 +103,28 @@ def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:
     return sorted(seqs, key=lambda s: (abs(s.length - reference), s.arrival_time, s.seq_id))
 
 
-def fits_spread(lengths: Sequence[int], length: int, max_spread: float) -> bool:
-    """Whether ``length`` joins ``lengths`` with the longest at most ``max_spread`` times
-    the shortest (always true for an empty group)."""
-    if not lengths:
-        return True
-    return max(max(lengths), length) <= max_spread * min(min(lengths), length)
+@dataclass(slots=True)
+class LengthRange:
+    """The shortest and longest length of a group, grown one length at a time."""
+
+    lo: int = 0
+    hi: int = -1  # hi < lo: empty
+
+    @classmethod
+    def of(cls, lengths: Iterable[int]) -> LengthRange:
+        lengths = list(lengths)
+        return cls(min(lengths), max(lengths)) if lengths else cls()
+
+    def fits(self, length: int, max_spread: float) -> bool:
+        """Whether ``length`` joins with the longest at most ``max_spread`` times the
+        shortest (always true for an empty group)."""
+        if self.hi < self.lo:
+            return True
+        return max(self.hi, length) <= max_spread * min(self.lo, length)
+
+    def add(self, length: int) -> None:
+        self.lo, self.hi = ((length, length) if self.hi < self.lo
+                            else (min(self.lo, length), max(self.hi, length)))
 
 
 def median_length(seqs: Sequence[SeqView]) -> float | None:
@@ -153,14 +169,14 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     ``max_spread`` times the shortest (the candidate batch is not held to it).
     """
     blocks_left, slots_left = admission_room(view)
-    lengths = [s.length for s in view.running]
+    spread = LengthRange.of(s.length for s in view.running)
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:
             if slots_left <= 0:
                 break
             if (chosen is admitted[0] and max_spread is not None
-                    and not fits_spread(lengths, seq.length, max_spread)):
+                    and not spread.fits(seq.length, max_spread)):
                 continue
             cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
             if cost > blocks_left:
@@ -169,7 +185,7 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
                     break
                 continue
             chosen.append(seq.seq_id)
-            lengths.append(seq.length)
+            spread.add(seq.length)
             blocks_left -= cost
             slots_left -= 1
     return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))
