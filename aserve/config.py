@@ -73,7 +73,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     leaf_width: int = 16  # quad-tree leaf range (tokens)
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
-    max_spread: float = 1.5  # aligned: refills keep a batch's longest/shortest prefix within this
+    match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
+    max_spread: float | None = None  # aligned, strict alignment: a batch's longest prefix stays
+    # within this many times its shortest through refills and switches (None: off)
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
 
     def __post_init__(self) -> None:
@@ -88,8 +90,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting ({self.max_waiting}) must be >= 1")
-        if self.max_spread < 1:
-            raise ValueError(f"max_spread ({self.max_spread}) must be >= 1")
+        if self.max_spread is not None and self.max_spread < 1:
+            raise ValueError(f"max_spread ({self.max_spread}) must be >= 1 or None")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,7 +204,8 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
     parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
     parser.add_argument("--max-spread", type=float, default=d("max_spread", s.max_spread),
-                        help="aligned: longest/shortest prefix a refill may leave in a batch")
+                        help="aligned: strict alignment, the longest/shortest prefix ratio "
+                             "refills and batch switches may leave (default: off)")
     parser.add_argument("--seed", type=int, default=d("seed", 0))
 
 
@@ -223,8 +226,9 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
     kwargs: dict[str, object] = {}
     for name in _ENGINE_ARGS:
         value = getattr(args, name)
-        if isinstance(value, str) and types.get(name) in ("int", "float", "int | None"):
-            value = float(value) if types[name] == "float" else int(value)
+        if isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
+                                                          "float | None"):
+            value = float(value) if types[name].startswith("float") else int(value)
         kwargs[name] = value
     prefill = args.prefill_devices or _split(env.get(ENV_PREFIX + "PREFILL_DEVICES", "cpu"))
     decode = args.decode_devices or _split(env.get(ENV_PREFIX + "DECODE_DEVICES", "cpu"))

@@ -205,7 +205,8 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class IterationRecord:
-    """One decode (or mixed) iteration, for research traces and the benchmark."""
+    """One decode (or mixed) iteration, or one packed prefill of a prefill instance, for
+    research traces, the benchmark and the simulator's calibration."""
 
     instance: str  # e.g. "decode0"
     start_time: float  # perf_counter seconds when the forward step was issued
@@ -217,6 +218,7 @@ class IterationRecord:
     schedule_time: float  # seconds the policy's decision took at the boundary before it
     is_mixed: bool  # requests of two batches (old and new) ran together
     blocks_used: dict[str, int]  # location -> blocks in use after the step
+    prefill_lengths: tuple[int, ...] = ()  # a packed prefill's prompt lengths (prefill instances)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,8 @@ class Engine:
         policy = get_policy(sched.policy, PolicyConfig(
             min_requests=sched.min_requests, leaf_width=sched.leaf_width,
             max_len=_pow4_at_least(model_config.max_position_embeddings),
-            starvation_threshold=sched.starvation_threshold, max_spread=sched.max_spread))
+            starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack,
+            max_spread=sched.max_spread))
         # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
         kv = await asyncio.to_thread(KVSpace, cfg, geometry,
                                      {dev: r.executor for dev, r in runners.items()})
@@ -291,6 +292,12 @@ class Engine:
     def iterations(self) -> list:  # type: ignore[type-arg]
         """Iteration records kept (the oldest are dropped past `trace_limit`)."""
         return self._context.outputs.iterations
+
+    @property
+    def prefill_iterations(self) -> list:  # type: ignore[type-arg]
+        """One record per packed prefill of a prefill instance (disaggregated policies;
+        `continuous` mixes its prefill into `iterations`), oldest dropped past `trace_limit`."""
+        return self._context.outputs.prefill_iterations
 
     @property
     def num_dropped_iterations(self) -> int:

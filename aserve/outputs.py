@@ -19,7 +19,8 @@ class Outputs:
                  trace_limit: int = 1_000_000) -> None:
         self.eos_token_id = eos_token_id
         self.events: list[Event] = []
-        self.iterations: list[IterationRecord] = []
+        self.iterations: list[IterationRecord] = []  # decode instances (and continuous)
+        self.prefill_iterations: list[IterationRecord] = []  # prefill instances' steps
         self.trace_limit = trace_limit  # most events (and iterations) kept; older half dropped
         self.num_dropped_iterations = 0  # absolute index of iterations[0]
         self.queues: dict[str, asyncio.Queue[StepOutput]] = {}
@@ -38,6 +39,11 @@ class Outputs:
             half = self.trace_limit // 2
             del self.iterations[:half]
             self.num_dropped_iterations += half
+
+    def prefill_iteration(self, record: IterationRecord) -> None:
+        self.prefill_iterations.append(record)
+        if len(self.prefill_iterations) > self.trace_limit:
+            del self.prefill_iterations[: self.trace_limit // 2]
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:

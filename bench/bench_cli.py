@@ -152,7 +152,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
             header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
                       "system": result.system, "workload": run.workload.name}
             file = f"{run.workload.name}__{result.system.replace('/', '-')}.jsonl"
-            write_iteration_log(log_dir / file, header, result.iterations)
+            write_iteration_log(log_dir / file, header,
+                                [*result.iterations, *result.prefill_iterations])
     if args.plots:
         write_plots(Path(args.plots), runs, args, settings)
     return tables

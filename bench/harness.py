@@ -54,6 +54,7 @@ class RunResult:
     iterations: list[IterationRecord]
     token_ids: dict[str, list[int]]  # workload request_id -> generated token ids
     wall_time: float  # seconds from the first submission to the last finish
+    prefill_iterations: list[IterationRecord] = dataclasses.field(default_factory=list)
 
     def summary(self) -> Summary:
         return summarize(self.system, self.events, self.iterations)
@@ -149,8 +150,9 @@ async def run_engine(workload: Workload, prompts: Sequence[list[int]], config: E
         wall_time = time.perf_counter() - start
         events = [e for e in engine.events if not e.seq_id.startswith(WARMUP_PREFIX)]
         iterations = [it for it in engine.iterations if it.start_time >= start]
+        prefills = [it for it in engine.prefill_iterations if it.start_time >= start]
     token_ids = {req.request_id: out for req, out in zip(workload.requests, outputs)}
-    return RunResult(system, events, iterations, token_ids, wall_time)
+    return RunResult(system, events, iterations, token_ids, wall_time, prefills)
 
 
 async def replay(workload: Workload, prompts: Sequence[list[int]], realtime: bool,
@@ -236,4 +238,9 @@ def read_iteration_log(path: str | Path) -> tuple[dict[str, object], list[Iterat
     """The header and records written by `write_iteration_log`."""
     lines = Path(path).read_text().splitlines()
     header = json.loads(lines[0])["header"]
-    return header, [IterationRecord(**json.loads(line)) for line in lines[1:]]
+    records = []
+    for line in lines[1:]:
+        fields = json.loads(line)
+        fields["prefill_lengths"] = tuple(fields.get("prefill_lengths", ()))
+        records.append(IterationRecord(**fields))
+    return header, records

@@ -10,7 +10,7 @@ import logging
 from collections import deque
 
 from aserve.actors.base import Actor, EngineContext, now, work_item
-from aserve.core import SeqStatus, Sequence
+from aserve.core import IterationRecord, SeqStatus, Sequence
 from aserve.messages import Abort, Message, Pooled, Stop, Submit
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ class PrefillActor(Actor):
             self.fail(batch, self.record_error(exc))
             return
         end = now()
+        lengths = tuple(seq.num_tokens for seq in batch)
+        self.ctx.outputs.prefill_iteration(IterationRecord(
+            instance=self.name, start_time=start, batch_size=len(batch),
+            num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
+            forward_time=result.forward_time, schedule_time=0.0, is_mixed=False,
+            blocks_used=self.ctx.kv.blocks_used(), prefill_lengths=lengths))
         for seq, token_id, logprob in zip(batch, result.token_ids, result.logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
             seq.num_computed_tokens = seq.num_tokens

@@ -61,9 +61,13 @@ def load_records(path: str | Path) -> tuple[dict[str, object], list[dict[str, ob
 
 
 def record_lengths(record: Record) -> tuple[list[int], list[tuple[int, int]]]:
-    """(decode lengths, prefill chunks) of a record. Without "lengths", the batch's lengths
-    are spread evenly from min_len to max_len; prefill tokens count as one chunk."""
+    """(decode lengths, prefill chunks) of a record. A packed prefill ("prefill_lengths")
+    is one chunk per prompt. Otherwise, without "lengths", the batch's lengths are spread
+    evenly from min_len to max_len, and prefill tokens count as one chunk."""
     batch_size, num_prefill = _int(record, "batch_size"), _int(record, "num_prefill_tokens")
+    packed = record.get("prefill_lengths")
+    if isinstance(packed, list) and packed:  # a prefill instance's packed prefill
+        return [], [(0, int(n)) for n in packed]
     chunks = [(0, num_prefill)] if num_prefill > 0 else []
     num_decode = max(0, batch_size - len(chunks))
     given = record.get("lengths")

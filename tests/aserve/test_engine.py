@@ -125,6 +125,21 @@ async def test_small_host_pool_makes_prefill_wait_and_all_complete() -> None:
     assert peak_host <= 24
 
 
+async def test_prefill_instances_record_each_packed_prefill() -> None:
+    prompts = make_prompts(12, 20, 90, 512, seed=7)
+    config = make_config(policy="fcfs", max_prefill_tokens=256)
+    async with Engine(config) as engine:
+        await asyncio.gather(*(
+            collect(engine, p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts))
+        records = list(engine.prefill_iterations)
+        await settle(engine)
+    assert sorted(n for r in records for n in r.prefill_lengths) == sorted(map(len, prompts))
+    for r in records:
+        assert r.instance == "prefill0" and r.num_prefill_tokens <= 256
+        assert r.num_prefill_tokens == sum(r.prefill_lengths) and r.forward_time > 0
+        assert r.batch_size == len(r.prefill_lengths)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "continuous"])
 async def test_runner_fault_fails_affected_requests_and_engine_keeps_serving(policy: str) -> None:
     config = make_config(policy=policy)

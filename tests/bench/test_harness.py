@@ -134,7 +134,9 @@ def test_sizing_leaves_pool_larger_than_decode_and_fits_longest() -> None:
 
 def test_iteration_log_round_trips(tmp_path: Path) -> None:
     records = [IterationRecord("decode0", 1.0, 4, 0, 10, 14, 0.01, 0.001, False,
-                               {"decode": 3, "host": 9})]
+                               {"decode": 3, "host": 9}),
+               IterationRecord("prefill0", 1.5, 2, 30, 10, 20, 0.02, 0.0, False, {},
+                               prefill_lengths=(10, 20))]
     path = tmp_path / "it.jsonl"
     write_iteration_log(path, {"model": TINY, "dtype": "float32", "system": "aligned"}, records)
     assert read_iteration_log(path) == ({"model": TINY, "dtype": "float32",

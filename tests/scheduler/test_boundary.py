@@ -29,8 +29,13 @@ def view(running: list[SeqView], free_blocks: int, requests: tuple[SeqView, ...]
                         requests, batch, CURRENT)
 
 
-def plan(policy_name: str, v: BoundaryView) -> BoundaryPlan:
-    return get_policy(policy_name, PolicyConfig()).plan_boundary(v)
+def plan(policy_name: str, v: BoundaryView, max_spread: float | None = None) -> BoundaryPlan:
+    return get_policy(policy_name, PolicyConfig(max_spread=max_spread)).plan_boundary(v)
+
+
+def strict(policy_name: str, v: BoundaryView) -> BoundaryPlan:
+    """The plan under strict alignment (max_spread 1.5)."""
+    return plan(policy_name, v, max_spread=1.5)
 
 
 ALIGNED = ["aligned", "aligned-noprefetch"]
@@ -45,16 +50,18 @@ def test_victim_is_the_longest_running_seq(name: str) -> None:
 @pytest.mark.parametrize("name", ALIGNED)
 def test_victim_is_the_longest_of_the_old_batch_while_switching(name: str) -> None:
     running = [seq("old-a", 33, batch_id=1), seq("old-b", 49, batch_id=1), seq("new", 97)]
-    # an old-batch victim matches neither batch: it goes back to the pool to be re-batched
-    assert plan(name, view(running, free_blocks=1)) == BoundaryPlan(to_pool=("old-b",))
+    assert plan(name, view(running, free_blocks=1)) == BoundaryPlan(evict=("old-b",))
+    # strict: an old-batch victim matches neither batch, it goes back to the pool
+    assert strict(name, view(running, free_blocks=1)) == BoundaryPlan(to_pool=("old-b",))
 
 
 @pytest.mark.parametrize("name", ALIGNED)
 def test_evicts_until_the_step_fits_old_batch_first(name: str) -> None:
     running = [seq("old", 17, batch_id=1), seq("n1", 33), seq("n2", 65), seq("n3", 49)]
     # need 4, free 0: old frees 1+1, n2 (longest new) frees 4+1.
-    assert plan(name, view(running, free_blocks=0)) == BoundaryPlan(evict=("n2",),
-                                                                    to_pool=("old",))
+    assert plan(name, view(running, free_blocks=0)).evict == ("old", "n2")
+    assert strict(name, view(running, free_blocks=0)) == BoundaryPlan(evict=("n2",),
+                                                                      to_pool=("old",))
 
 
 @pytest.mark.parametrize("name", ALIGNED)
@@ -74,22 +81,24 @@ def test_candidate_requests_closest_to_the_current_batch_go_first(name: str) -> 
 
 
 @pytest.mark.parametrize("name", ALIGNED)
-def test_candidate_requests_never_widen_the_batch_beyond_max_spread(name: str) -> None:
+def test_strict_candidate_requests_never_widen_the_batch_beyond_max_spread(name: str) -> None:
     running = [seq("r1", 100, 7), seq("r2", 120, 8)]
     requests = (seq("short", 60, 4, arrival=0.0), seq("long", 160, 10, arrival=1.0),
                 seq("fits", 140, 9, arrival=2.0))
     # room for all three; 60 and 160 would put the longest above 1.5x the shortest
-    assert plan(name, view(running, 40, requests=requests)).admit_requests == ("fits",)
+    assert strict(name, view(running, 40, requests=requests)).admit_requests == ("fits",)
+    assert len(plan(name, view(running, 40, requests=requests)).admit_requests) == 3
 
 
 @pytest.mark.parametrize("name", ALIGNED)
-def test_batch_switch_returns_what_does_not_fit_the_new_batch_to_the_pool(name: str) -> None:
+def test_strict_switch_returns_what_does_not_fit_the_new_batch_to_the_pool(name: str) -> None:
     running = [seq("old-long", 300, 19, batch_id=1), seq("old-near", 110, 7, batch_id=1)]
     requests = (seq("stale", 290, 19),)
     batch = (seq("b1", 100, 7, arrival=1.0), seq("b2", 120, 8, arrival=2.0))
     # 9 free blocks take b1 only; returning old-long frees 19 more, enough for b2 as well
-    got = plan(name, view(running, 9, requests=requests, batch=batch))
+    got = strict(name, view(running, 9, requests=requests, batch=batch))
     assert got == BoundaryPlan(admit_batch=("b1", "b2"), to_pool=("old-long", "stale"))
+    assert plan(name, view(running, 9, requests=requests, batch=batch)).to_pool == ()
 
 
 def test_fcfs_refills_strictly_by_arrival() -> None:
@@ -142,12 +151,13 @@ def _seqs(prefix: str, batch_id: int) -> st.SearchStrategy[list[SeqView]]:
 @settings(max_examples=200, deadline=None)
 @given(running=_seqs("r", 1), requests=_seqs("q", -1), batch=_seqs("b", 3),
        free_blocks=st.integers(0, 40), max_batch_size=st.integers(1, 20),
-       name=st.sampled_from([*ALIGNED, "fcfs"]))
+       name=st.sampled_from([*ALIGNED, "fcfs"]), max_spread=st.sampled_from([None, 1.5]))
 def test_plans_fit_and_never_thrash(running: list[SeqView], requests: list[SeqView],
                                     batch: list[SeqView], free_blocks: int,
-                                    max_batch_size: int, name: str) -> None:
+                                    max_batch_size: int, name: str,
+                                    max_spread: float | None) -> None:
     v = view(running, free_blocks, tuple(requests), tuple(batch), max_batch_size)
-    p = plan(name, v)
+    p = plan(name, v, max_spread)
     assert not (p.evict and (p.admit_requests or p.admit_batch)), "evict xor admit"
     assert set(p.evict) <= {s.seq_id for s in running}
     assert set(p.to_pool) <= {s.seq_id for s in running + requests}
@@ -169,6 +179,7 @@ def test_plans_fit_and_never_thrash(running: list[SeqView], requests: list[SeqVi
                              s.arrival_time, s.batch_id) for s in kept + admitted]
             nxt = replace(v, running=tuple(after), free_blocks=free_blocks + freed - used,
                           candidate_requests=(), candidate_batch=())
-            assert plan(name, nxt).evict + plan(name, nxt).to_pool == ()
+            after_plan = plan(name, nxt, max_spread)
+            assert after_plan.evict + after_plan.to_pool == ()
     else:
         assert out and used <= free_blocks + freed

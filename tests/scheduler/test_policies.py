@@ -77,7 +77,7 @@ def test_research_user_registers_a_policy_without_the_engine() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("min_requests", 0), ("leaf_width", 0),
                                               ("max_len", 0), ("starvation_threshold", -1.0),
-                                              ("max_spread", 0.9)])
+                                              ("match_slack", -0.1), ("max_spread", 0.9)])
 def test_bad_config_names_the_field_and_value(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=rf"{field} \({value}\)"):
         replace(PolicyConfig(), **{field: value})  # type: ignore[arg-type]
@@ -135,13 +135,18 @@ def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
     for seq_id, length in [("x", 90), ("y", 105), ("z", 120), ("w", 200)]:
         policy.add(SeqView(seq_id, length, 7, 0.0))
     lo, hi = policy.prefetch_window([100, 110])
-    assert (lo, hi) == (74, 150)  # ceil(110 / 1.5), 100 * 1.5: the batch stays within 1.5x
-    assert policy.prefetch_window([100, 140]) == (94, 150)
-    assert policy.prefetch_window([100, 200]) == (0, -1)  # already wider than 1.5x: none
+    assert (lo, hi) == (75, 137)
     assert policy.matching(lo, hi, max_blocks=100, max_requests=10) == ["x", "y", "z"]
     assert policy.matching(lo, hi, max_blocks=14, max_requests=10) == ["x", "y"]
     assert policy.matching(lo, hi, max_blocks=100, max_requests=1) == ["x"]
     assert get_policy("aligned-noprefetch", PolicyConfig()).matching(0, 10**6, 100, 10) == []
+
+
+def test_strict_prefetch_window_keeps_the_batch_within_max_spread() -> None:
+    policy = get_policy("aligned", PolicyConfig(max_spread=1.5))
+    assert policy.prefetch_window([100, 110]) == (74, 150)  # ceil(110 / 1.5), 100 * 1.5
+    assert policy.prefetch_window([100, 140]) == (94, 150)
+    assert policy.prefetch_window([100, 200]) == (0, -1)  # already wider than 1.5x: none
 
 
 def test_continuous_policy_has_no_pool() -> None:

@@ -73,6 +73,27 @@ def test_record_lengths_spread_evenly_and_count_prefill_as_one_chunk() -> None:
     assert record_lengths(record) == ([10, 20, 30, 40, 50], [])
     mixed = dict(batch_size=3, min_len=10, max_len=30, num_prefill_tokens=100)
     assert record_lengths(mixed) == ([10, 30], [(0, 100)])
+    packed = dict(batch_size=3, min_len=10, max_len=70, num_prefill_tokens=120,
+                  prefill_lengths=[10, 40, 70])  # a prefill instance's packed prefill
+    assert record_lengths(packed) == ([], [(0, 10), (0, 40), (0, 70)])
+
+
+def test_packed_prefill_records_fit_the_prefill_cost() -> None:
+    """Decode records alone say little about prefill (compute-bound); a prefill instance's
+    packed prefills, one chunk per prompt, pin it down."""
+    truth = CostModel(get_geometry("opt-125m"), get_hardware("cpu"), TRUE)
+    rng = random.Random(1)
+    decode = [r for r in _records("split-k") if not r["num_prefill_tokens"]]
+    packed = []
+    for _ in range(20):
+        prompts = [rng.randint(50, 900) for _ in range(rng.randint(1, 12))]
+        packed.append(dict(batch_size=len(prompts), min_len=min(prompts),
+                           max_len=max(prompts), num_prefill_tokens=sum(prompts),
+                           forward_time=truth.prefill_time(prompts), prefill_lengths=prompts))
+    model = CostModel(get_geometry("opt-125m"), get_hardware("cpu"),
+                      calibrate(decode + packed, model="opt-125m", hardware="cpu"))
+    prompts = [700, 300, 500, 900]
+    assert model.prefill_time(prompts) == pytest.approx(truth.prefill_time(prompts), rel=0.02)
 
 
 def test_too_few_records_are_refused() -> None:
