@@ -272,10 +272,16 @@ class DecodeInstance(SimActor):
         self.act()
 
     def _report_window(self, runnable: list[SimSeq]) -> None:
-        """Tells the batcher the running length window when it changes (dynamic prefetch)."""
+        """Tells the batcher the running length window when it changes (dynamic prefetch):
+        of the current batch, or of every running seq under strict alignment, as in the
+        engine (aserve/actors/decode.py)."""
         policy = self.ctx.policy
         if not policy.uses_dynamic_prefetch:
             return
+        if policy.config.max_spread is None:
+            runnable = [s for s in runnable if s.batch_id == self.current_batch_id]
+            if not runnable:
+                return
         window = policy.prefetch_window([s.num_tokens for s in runnable])
         if window != self.window:
             self.window = window
