@@ -100,9 +100,9 @@ async def test_starvation_control_bounds_a_long_requests_wait() -> None:
     threshold = 0.3
     wait_on, done_on = await long_request_wait(threshold)
     wait_off, done_off = await long_request_wait(None)
-    # measured on the 2-core CPU: with control the long request enters decode 1.4-1.5 s
+    # measured on the 2-core CPU: with control the long request enters decode 1.0-1.5 s
     # after pooling (threshold, then the running batch drains to make room for its 38
-    # blocks); without, only once the stream of short requests has drained, 5.2-6.1 s
+    # blocks); without, only once the stream of short requests has drained, 4.6-6.1 s
     assert wait_off > 2 * wait_on, (wait_on, wait_off)
     assert done_off > 2 * done_on, (done_on, done_off)
     assert wait_off > threshold
