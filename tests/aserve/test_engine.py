@@ -69,11 +69,13 @@ async def test_greedy_outputs_match_transformers(policy: str, tiny_checkpoint: P
     assert all(o.finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "continuous", "aligned"])
-async def test_aborted_requests_free_every_block(policy: str) -> None:
+@pytest.mark.parametrize(("policy", "max_spread"), [("fcfs", None), ("continuous", None),
+                                                    ("aligned", None), ("aligned", 1.5)])
+async def test_aborted_requests_free_every_block(policy: str, max_spread: float | None) -> None:
     rng = random.Random(3)
     prompts = make_prompts(200, 1, 120, 512, seed=4)
-    config = make_config(policy=policy, num_decode_blocks=128, num_staging_blocks=64)
+    config = make_config(policy=policy, num_decode_blocks=128, num_staging_blocks=64,
+                         max_spread=max_spread)
     async with Engine(config) as engine:
         async def one(i: int, prompt: list[int]) -> tuple[bool, RequestOutput | None]:
             params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)
@@ -98,10 +100,13 @@ async def test_aborted_requests_free_every_block(policy: str) -> None:
         await settle(engine)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "aligned", "continuous"])
-async def test_small_decode_cache_forces_evictions_and_all_complete(policy: str) -> None:
+@pytest.mark.parametrize(("policy", "max_spread"), [("fcfs", None), ("aligned", None),
+                                                    ("continuous", None), ("aligned", 1.5)])
+async def test_small_decode_cache_forces_evictions_and_all_complete(
+        policy: str, max_spread: float | None) -> None:
     prompts = make_prompts(24, 40, 100, 512, seed=5)
-    config = make_config(policy=policy, num_decode_blocks=24, num_staging_blocks=32)
+    config = make_config(policy=policy, num_decode_blocks=24, num_staging_blocks=32,
+                         max_spread=max_spread)
     async with Engine(config) as engine:
         outs = await asyncio.gather(*(
             collect(engine, p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in prompts))

@@ -133,6 +133,19 @@ def test_gpu_cluster_under_load_finishes_everything(system: str, seed: int) -> N
     assert all(n == 0 for n in result.blocks_left.values())
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_strict_alignment_returns_to_the_pool_and_finishes_everything(seed: int) -> None:
+    geometry, hw = get_geometry("opt-1.3b"), get_hardware("a100")
+    config = cluster_for(hw, geometry, 1, 1, min_requests=16, max_spread=1.5,
+                         num_decode_blocks=1200)
+    workload = synthetic(120, rate=200.0, seed=seed)
+    result = simulate(workload, "aligned", config, CostModel(geometry, hw, kernel="split-k"))
+    assert result.num_finished == workload.num_requests
+    assert all(n == 0 for n in result.blocks_left.values())
+    returned = sum(1 for e in result.events if e.kind == "evicted")
+    assert returned > 0  # the small decode cache forces switches that return requests
+
+
 def test_cpu_copies_take_device_time() -> None:
     """On a CPU cluster (one device for prefill and decode), KV copies occupy the device:
     its busy time is the forwards plus every copy."""
