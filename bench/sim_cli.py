@@ -86,6 +86,8 @@ def _run_parser() -> argparse.ArgumentParser:
                         help=f"DFS min_requests (default {PAPER_MIN_REQUESTS} on GPUs, else 8)")
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+    parser.add_argument("--max-spread", type=float, default=None,
+                        help="aligned: strict alignment bound (default: off)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--plots", default=None, help="write figures into this folder")
     return parser
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     min_requests = args.min_requests or (PAPER_MIN_REQUESTS if hw.is_gpu else 8)
     config = cluster_for(hw, geometry, args.prefill, args.decode, min_requests=min_requests,
                          max_batch_size=args.max_batch_size,
-                         max_prefill_tokens=args.max_prefill_tokens)
+                         max_prefill_tokens=args.max_prefill_tokens, max_spread=args.max_spread)
     workload = build_workload(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     kernels = _kernels(args.kernel)

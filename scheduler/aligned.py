@@ -162,8 +162,9 @@ class AlignedPolicy(Policy):
         to 0.88-0.97 (tests/aserve/test_aligned.py), but the returns cost KV copies and
         the bound costs batch occupancy: on the development CPU aligned fell from about
         1.0x to 0.91x of fcfs's decode throughput (synthetic 0.95 short, opt-125m), and the
-        simulator (OPT-13B, 2+6 H100s, Azure code, overloaded) predicts 420 against 449
-        tok/s for fcfs.
+        simulator predicts 420 against 449 tok/s for fcfs (OPT-13B, 2+6 H100s, Azure code
+        x40) and 559 against 1,048 for default aligned where decode is the bottleneck (6+2,
+        offline, per-seq kernel); see bench/RESULTS.md section 3.
         """
         evict = plan_evictions(view, victims)
         if evict:
