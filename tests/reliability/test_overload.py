@@ -5,6 +5,7 @@ memory stays inside the configured pools, and full service resumes once the burs
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import AsyncIterator
 
@@ -23,7 +24,6 @@ MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 MAX_WAITING = 8
 BURST = 10 * MAX_WAITING
 MAX_TOKENS = 8
-FAST_503_S = 0.5  # a refused request is answered within this many seconds
 RSS_SLACK_BYTES = 16 * 2**20  # allocator noise allowed on top of the KV pools
 
 
@@ -79,8 +79,12 @@ async def test_burst_over_the_waiting_limit_gets_fast_503s_then_full_service(
     assert len(refused) + len(served) == BURST, {r[0] for r in results}
     assert len(refused) >= BURST - 3 * MAX_WAITING, (len(refused), len(served))
     assert len(served) >= MAX_WAITING
+    # NOTE: relative, not a wall-clock bound (a clean CI clone once took 0.55 s for what
+    # takes 0.04-0.06 s here): a refusal does not wait for service, so every one comes back
+    # before the median served request (quiet machine: 0.04-0.06 s against 0.08-0.13 s)
+    median_served = statistics.median(latency for _, latency, _, _ in served)
     for status, latency, payload, retry_after in refused:
-        assert latency < FAST_503_S and int(retry_after) >= 1
+        assert latency < median_served and int(retry_after) >= 1, (latency, median_served)
         assert payload["error"]["code"] == "overloaded"
         assert "max_waiting" in payload["error"]["message"]
     assert all(p["usage"]["completion_tokens"] == MAX_TOKENS for _, _, p, _ in served)
