@@ -169,13 +169,13 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     ``max_spread`` times the shortest (the candidate batch is not held to it).
     """
     blocks_left, slots_left = admission_room(view)
-    spread = LengthRange.of(s.length for s in view.running)
+    spread = None if max_spread is None else LengthRange.of(s.length for s in view.running)
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:
             if slots_left <= 0:
                 break
-            if (chosen is admitted[0] and max_spread is not None
+            if (chosen is admitted[0] and spread is not None and max_spread is not None
                     and not spread.fits(seq.length, max_spread)):
                 continue
             cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
@@ -185,7 +185,8 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
                     break
                 continue
             chosen.append(seq.seq_id)
-            spread.add(seq.length)
+            if spread is not None:
+                spread.add(seq.length)
             blocks_left -= cost
             slots_left -= 1
     return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))

@@ -90,6 +90,13 @@ class Policy(ABC):
         ``now`` (seconds), when given, lets a policy hold back for a starving request."""
         return []
 
+    def prefetch_basis(self, current: Sequence[int], running: Sequence[int]) -> Sequence[int]:
+        """The lengths ``prefetch_window`` is taken over, given those of the current batch
+        and of every running seq: the current batch's (the old batch would widen it), or
+        every running seq's under strict alignment, whose window bounds them all. Empty:
+        no window to report."""
+        return current if self.config.max_spread is None else running
+
     def prefetch_window(self, lengths: Sequence[int]) -> tuple[int, int]:
         """The ``(lo, hi)`` to pass to ``matching`` for a running batch of ``lengths``.
 

@@ -210,16 +210,13 @@ class DecodeActor(Actor):
 
     def report_window(self, runnable: list[Sequence]) -> None:
         """Tells the batcher the length window of pool requests that could join the running
-        batch (the policy's ``prefetch_window``), so they get staged while it decodes: of
-        the current batch (not the old one, which would widen it), or of every running seq
-        under strict alignment, whose window bounds the spread of them all."""
-        if self.ctx.batcher is None:
+        batch (the policy's ``prefetch_basis`` and ``prefetch_window``), so they get staged
+        while it decodes."""
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        lengths = self.ctx.policy.prefetch_basis(current, [s.num_tokens for s in runnable])
+        if not lengths or self.ctx.batcher is None:
             return
-        if self.ctx.config.scheduler.max_spread is None:
-            runnable = [s for s in runnable if s.batch_id == self.current_batch_id]
-            if not runnable:
-                return
-        window = self.ctx.policy.prefetch_window([s.num_tokens for s in runnable])
+        window = self.ctx.policy.prefetch_window(lengths)
         if window != self.window:
             self.window = window
             # NOTE: room net of what the candidate requests buffer already holds: matching

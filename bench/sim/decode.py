@@ -162,9 +162,10 @@ class DecodeInstance(SimActor):
             by_id = {s.seq_id: s for s in self.running}
             for seq_id in plan.evict:
                 self._evict(by_id[seq_id])
-            staged = {s.seq_id: s for s in self.cand_requests}
-            for seq_id in plan.to_pool:
-                self._to_pool(by_id.get(seq_id) or staged[seq_id])
+            if plan.to_pool:
+                staged = {s.seq_id: s for s in self.cand_requests}
+                for seq_id in plan.to_pool:
+                    self._to_pool(by_id.get(seq_id) or staged[seq_id])
             if plan.admit_batch:
                 self.current_batch_id = self.cand_batch_id
             self._admit(plan.admit_requests, self.cand_requests)
@@ -272,17 +273,16 @@ class DecodeInstance(SimActor):
         self.act()
 
     def _report_window(self, runnable: list[SimSeq]) -> None:
-        """Tells the batcher the running length window when it changes (dynamic prefetch):
-        of the current batch, or of every running seq under strict alignment, as in the
-        engine (aserve/actors/decode.py)."""
+        """Tells the batcher the running length window when it changes (dynamic prefetch),
+        over the lengths the policy's ``prefetch_basis`` picks, as in the engine."""
         policy = self.ctx.policy
         if not policy.uses_dynamic_prefetch:
             return
-        if policy.config.max_spread is None:
-            runnable = [s for s in runnable if s.batch_id == self.current_batch_id]
-            if not runnable:
-                return
-        window = policy.prefetch_window([s.num_tokens for s in runnable])
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        lengths = policy.prefetch_basis(current, [s.num_tokens for s in runnable])
+        if not lengths:
+            return
+        window = policy.prefetch_window(lengths)
         if window != self.window:
             self.window = window
             # NOTE: room net of the candidate requests already held, as in the engine

@@ -6,21 +6,36 @@ from __future__ import annotations
 import asyncio
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.config import EngineConfig, ServerConfig
 from tests.conftest import make_config
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "opt-tiny"
 
 
 def server_engine_config(**kwargs: object) -> EngineConfig:
     """opt-tiny on the CPU in float32 with small caches (see tests/conftest.py)."""
     return make_config(MODEL, **kwargs)  # type: ignore[no-any-return]
+
+
+@asynccontextmanager
+async def server_client(max_body_bytes: int) -> AsyncIterator[TestClient]:
+    """An in-process client of the app on the test engine, with API_KEY required and
+    request bodies capped at ``max_body_bytes``."""
+    from aserve.server import create_app
+
+    app = create_app(server_engine_config(),
+                     ServerConfig(api_key=API_KEY, max_body_bytes=max_body_bytes))
+    async with TestClient(TestServer(app)) as client:
+        yield client
 
 
 class LiveServer:

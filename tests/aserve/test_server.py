@@ -26,6 +26,7 @@ from aserve.config import ServerConfig
 from aserve.server import create_app
 from tests.aserve.conftest import (
     API_KEY,
+    AUTH,
     MODEL,
     LiveServer,
     parse_metrics,
@@ -34,7 +35,6 @@ from tests.aserve.conftest import (
 )
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 REPO = Path(__file__).resolve().parents[2]
 LOCATIONS = ("decode", "staging", "host")
 

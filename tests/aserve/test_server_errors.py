@@ -13,19 +13,16 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.config import ServerConfig
 from aserve.server import ENGINE, create_app
-from tests.aserve.conftest import API_KEY, MODEL, server_engine_config
+from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client, server_engine_config
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 64 * 1024
 CONTEXT = 4096  # opt-tiny's max_position_embeddings
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client() -> AsyncIterator[TestClient]:
-    app = create_app(server_engine_config(),
-                     ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES))
-    async with TestClient(TestServer(app)) as c:
+    async with server_client(MAX_BODY_BYTES) as c:
         yield c
 
 

@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from aserve.config import ServerConfig
-from tests.aserve.conftest import API_KEY, MODEL, server_engine_config
+from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_engine_config
 from tests.reliability.conftest import SyncServer
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 MAX_BODY_BYTES = 16 * 1024  # small, so oversize bodies stay cheap to send
 MAX_FUZZ_TOKENS = 3  # generated bodies ask for at most this many tokens (a case stays ~10 ms)

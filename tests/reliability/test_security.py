@@ -16,18 +16,16 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 import aserve.server
 from aserve import Engine, SamplingParams
 from aserve.config import ServerConfig, add_server_args, server_config_from_args
-from aserve.server import create_app
-from tests.aserve.conftest import API_KEY, MODEL, server_engine_config
+from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, write_hf_checkpoint
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 8 * 1024
 CONTEXT = 4096  # opt-tiny's positions
 
@@ -41,9 +39,7 @@ def test_default_bind_is_loopback() -> None:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client() -> AsyncIterator[TestClient]:
-    app = create_app(server_engine_config(),
-                     ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES))
-    async with TestClient(TestServer(app)) as c:
+    async with server_client(MAX_BODY_BYTES) as c:
         yield c
 
 
