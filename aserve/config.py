@@ -74,8 +74,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
-    max_spread: float | None = None  # aligned, strict alignment: a batch's longest prefix stays
-    # within this many times its shortest through refills and switches (None: off)
+    max_spread: float | None = 1.5  # aligned: every admission keeps a batch's longest prefix
+    # within this many times its shortest (None: the paper's looser rules, = aligned-loose)
+    drain_floor: float = 0.1  # aligned: a batch switch waits for the old batch to drain to
+    # this share of max_batch_size, then returns those left to the host pool
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
 
     def __post_init__(self) -> None:
@@ -92,6 +94,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_waiting ({self.max_waiting}) must be >= 1")
         if self.max_spread is not None and self.max_spread < 1:
             raise ValueError(f"max_spread ({self.max_spread}) must be >= 1 or None")
+        if not 0 <= self.drain_floor <= 1:
+            raise ValueError(f"drain_floor ({self.drain_floor}) must be in [0, 1]")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,9 +207,11 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         default=d("max_prefill_tokens", s.max_prefill_tokens))
     parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
     parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
-    parser.add_argument("--max-spread", type=float, default=d("max_spread", s.max_spread),
-                        help="aligned: strict alignment, the longest/shortest prefix ratio "
-                             "refills and batch switches may leave (default: off)")
+    parser.add_argument("--max-spread", type=spread_arg,
+                        default=d("max_spread", s.max_spread),
+                        help="aligned: the longest/shortest prefix ratio an admission may "
+                             f"leave in the running batch (default {s.max_spread}; 'off': "
+                             "the paper's looser rules)")
     parser.add_argument("--seed", type=int, default=d("seed", 0))
 
 
@@ -226,13 +232,26 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
     kwargs: dict[str, object] = {}
     for name in _ENGINE_ARGS:
         value = getattr(args, name)
-        if isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
-                                                          "float | None"):
+        if name == "max_spread" and isinstance(value, str):
+            value = spread_arg(value)
+        elif isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
+                                                            "float | None"):
             value = float(value) if types[name].startswith("float") else int(value)
         kwargs[name] = value
     prefill = args.prefill_devices or _split(env.get(ENV_PREFIX + "PREFILL_DEVICES", "cpu"))
     decode = args.decode_devices or _split(env.get(ENV_PREFIX + "DECODE_DEVICES", "cpu"))
     return EngineConfig.create(prefill_devices=prefill, decode_devices=decode, **kwargs)
+
+
+def spread_arg(text: str) -> float | None:
+    """``--max-spread``: a ratio >= 1, or ``off`` / ``none`` for no bound."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"max spread {text!r} is neither a number nor 'off'") from None
 
 
 def _annotations(struct: type) -> dict[str, str]:

@@ -84,7 +84,7 @@ class Engine:
             min_requests=sched.min_requests, leaf_width=sched.leaf_width,
             max_len=_pow4_at_least(model_config.max_position_embeddings),
             starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack,
-            max_spread=sched.max_spread))
+            max_spread=sched.max_spread, drain_floor=sched.drain_floor))
         # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
         kv = await asyncio.to_thread(KVSpace, cfg, geometry,
                                      {dev: r.executor for dev, r in runners.items()})

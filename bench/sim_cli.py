@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from aserve.config import spread_arg
 from bench.metrics import Summary, request_metrics
 from bench.report import (
     Caption,
@@ -38,6 +39,9 @@ from bench.sim.hardware import get_hardware
 from bench.sim.run import SimResult, simulate
 from bench.sim.validate import validate
 from bench.workloads import Workload, load_workload
+from scheduler import PolicyConfig
+
+DEFAULT_SPREAD = PolicyConfig().max_spread
 
 PAPER_MIN_REQUESTS = 128  # the paper's example of a batch that saturates a GPU
 
@@ -86,8 +90,9 @@ def _run_parser() -> argparse.ArgumentParser:
                         help=f"DFS min_requests (default {PAPER_MIN_REQUESTS} on GPUs, else 8)")
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--max-prefill-tokens", type=int, default=2048)
-    parser.add_argument("--max-spread", type=float, default=None,
-                        help="aligned: strict alignment bound (default: off)")
+    parser.add_argument("--max-spread", type=spread_arg, default=DEFAULT_SPREAD,
+                        help="aligned: the alignment bound (default %(default)s; 'off': the "
+                             "paper's looser rules)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--plots", default=None, help="write figures into this folder")
     return parser

@@ -116,8 +116,8 @@ class AlignedPolicy(Policy):
           candidate-batch seqs oldest first (a batch switch; seqs that do not fit yet wait
           for the old batch to drain, and oldest-first keeps that wait fair).
 
-        Strict alignment (``max_spread`` set, off by default; see ``_plan_strict``) bounds
-        the spread those refills and switches may leave.
+        With ``max_spread`` (the default; see ``_plan_strict``) no refill or switch may leave
+        the running batch wider than that; ``aligned-loose`` keeps the rules above as is.
         """
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
@@ -151,39 +151,41 @@ class AlignedPolicy(Policy):
 
     def _plan_strict(self, view: BoundaryView, current: Sequence[SeqView],
                      old: Sequence[SeqView], victims: Sequence[SeqView]) -> BoundaryPlan:
-        """Strict alignment. Old-batch victims go back to the pool (they match neither
-        batch). A candidate request is admitted only if the running batch stays within
-        ``max_spread``. At a batch switch, running seqs and candidate requests that would
-        break ``max_spread`` against the new batch go back to the pool, freeing their room
-        at once instead of mixing two lengths until they finish. Requests that arrived
-        longer than the starvation threshold ago are never sent back.
+        """Strict alignment (the default, ``max_spread``). Every admission, candidate request
+        or candidate batch seq, keeps the running seqs within ``max_spread``; seqs only grow,
+        so a batch admitted within it stays within it. A switch to a candidate batch that
+        does not fit waits for the old batch to drain, down to ``drain_floor`` of the batch
+        slots; then the few left go back to the host pool (``_switch``). Old-batch victims go
+        back to the pool too (they match neither batch). Requests that arrived longer than
+        the starvation threshold ago are never sent back.
 
-        NOTE: off by default. It lifts the share of iterations within 1.5x from 0.53-0.74
-        to 0.88-0.91 (tests/aserve/test_aligned.py), but the returns cost KV copies and
-        the bound costs batch occupancy: on the development CPU aligned fell from about
-        1.0x to 0.91x of fcfs's decode throughput (synthetic 0.95 short, opt-125m), and the
-        simulator predicts 420 against 449 tok/s for fcfs (OPT-13B, 2+6 H100s, Azure code
-        x40) and 559 against 1,048 for default aligned where decode is the bottleneck (6+2,
-        offline, per-seq kernel); see bench/RESULTS.md section 3.
+        NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
+        in); draining first and returning only the stragglers is the cheapest mix measured.
+        On tests/aserve/test_aligned.py's pool it keeps 89-99 % of iterations within 1.5x
+        (returning everything that does not fit the new batch at once: 88-91 %, and at
+        paper scale the returns' copies halved the simulator's decode throughput); see
+        bench/RESULTS.md section 3 for its throughput against ``aligned-loose`` and fcfs.
         """
         evict = plan_evictions(view, victims)
         if evict:
             returned = {s.seq_id for s in old if not self.is_overdue(view, s)}
             return BoundaryPlan(evict=tuple(i for i in evict if i not in returned),
                                 to_pool=tuple(i for i in evict if i in returned))
+        spread = self.config.max_spread
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
-        plan = plan_admissions(view, requests, batch, is_strict=False,
-                               max_spread=self.config.max_spread)
-        if not plan.admit_batch:
+        plan = plan_admissions(view, requests, batch, is_strict=False, max_spread=spread)
+        floor = int(self.config.drain_floor * view.max_batch_size)
+        if plan.admit_batch or not batch or len(view.running) > floor:
             return plan
         return self._switch(view, requests, batch)
 
     def _switch(self, view: BoundaryView, requests: Sequence[SeqView],
                 batch: Sequence[SeqView]) -> BoundaryPlan:
-        """A batch switch: running seqs and candidate requests that do not fit
-        ``max_spread`` with the candidate batch return to the pool, then admission runs
-        again on the room they free."""
+        """A batch switch once the old batch has drained to its stragglers: running seqs
+        and candidate requests that do not fit ``max_spread`` with the candidate batch
+        return to the pool, then admission runs again on the room they free. Nothing is
+        returned if the candidate batch would not get in even then."""
         spread = self.config.max_spread
         assert spread is not None, "only strict alignment switches this way"
         batch_range = LengthRange.of(s.length for s in batch)
@@ -196,7 +198,21 @@ class AlignedPolicy(Policy):
         after = dataclasses.replace(view, running=kept, free_blocks=view.free_blocks + freed)
         requests = [s for s in requests if s.seq_id not in stale_ids]
         plan = plan_admissions(after, requests, batch, is_strict=False, max_spread=spread)
+        if not plan.admit_batch:
+            return plan_admissions(view, requests, (), is_strict=False, max_spread=spread)
         return dataclasses.replace(plan, to_pool=tuple(s.seq_id for s in stale))
+
+
+@register_policy
+class AlignedLoosePolicy(AlignedPolicy):
+    """The paper's rules as written, without the spread bound: a widened prefetch window,
+    refills closest in length first, and switches that mix the old and new batch until
+    the old one drains (``max_spread`` is ignored)."""
+
+    name = "aligned-loose"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(dataclasses.replace(config, max_spread=None))
 
 
 @register_policy

@@ -164,9 +164,9 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     A seq is admitted only if it fits the remaining blocks with its growth (for the next
     step and the one after) and a batch slot is free. ``is_strict`` (FCFS): the first seq
     that does not fit stops all admission; otherwise it is skipped and smaller ones behind
-    it may still enter. ``max_spread``: a candidate request is also skipped if it would
-    leave the running seqs plus those admitted so far with the longest above
-    ``max_spread`` times the shortest (the candidate batch is not held to it).
+    it may still enter. ``max_spread``: a seq is also skipped if it would leave the running
+    seqs plus those admitted so far with the longest above ``max_spread`` times the
+    shortest (a candidate batch wider than that enters in pieces, as the batch drains).
     """
     blocks_left, slots_left = admission_room(view)
     spread = None if max_spread is None else LengthRange.of(s.length for s in view.running)
@@ -175,7 +175,7 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
         for seq in seqs:
             if slots_left <= 0:
                 break
-            if (chosen is admitted[0] and spread is not None and max_spread is not None
+            if (spread is not None and max_spread is not None
                     and not spread.fits(seq.length, max_spread)):
                 continue
             cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)

@@ -24,8 +24,10 @@ class PolicyConfig:
     max_len: int = 65536  # quad-tree range (tokens)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch window widening (fraction of length)
-    max_spread: float | None = None  # strict alignment: refills and switches keep a batch's
-    # longest prefix within this many times its shortest (None: the paper's rules, off)
+    max_spread: float | None = 1.5  # aligned: every admission keeps the running batch's
+    # longest prefix within this many times its shortest (None: the paper's looser rules)
+    drain_floor: float = 0.1  # aligned with max_spread: a switch waits for the old batch to
+    # drain down to this share of max_batch_size, then returns those left to the pool
 
     def __post_init__(self) -> None:
         for name in ("min_requests", "leaf_width", "max_len"):
@@ -39,6 +41,8 @@ class PolicyConfig:
             raise ValueError(f"match_slack ({self.match_slack}) must be >= 0")
         if self.max_spread is not None and self.max_spread < 1:
             raise ValueError(f"max_spread ({self.max_spread}) must be >= 1 or None")
+        if not 0 <= self.drain_floor <= 1:
+            raise ValueError(f"drain_floor ({self.drain_floor}) must be in [0, 1]")
 
 
 class Policy(ABC):

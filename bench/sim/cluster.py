@@ -32,7 +32,8 @@ class ClusterConfig:
     leaf_width: int = 16  # quad-tree leaf range (tokens)
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take
     starvation_threshold: float | None = 30.0  # seconds; None switches it off
-    max_spread: float | None = None  # aligned: strict alignment (see PolicyConfig)
+    max_spread: float | None = 1.5  # aligned: the alignment bound (see PolicyConfig)
+    drain_floor: float = 0.1  # aligned: see PolicyConfig
 
     def __post_init__(self) -> None:
         if not self.prefill_devices or not self.decode_devices:
@@ -55,7 +56,7 @@ class ClusterConfig:
     def policy_config(self, max_len: int) -> PolicyConfig:
         return PolicyConfig(min_requests=self.min_requests, leaf_width=self.leaf_width,
                             max_len=max_len, starvation_threshold=self.starvation_threshold,
-                            max_spread=self.max_spread)
+                            max_spread=self.max_spread, drain_floor=self.drain_floor)
 
 
 def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, num_decode: int,

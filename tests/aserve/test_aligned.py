@@ -28,13 +28,11 @@ def short_long_prompts(n: int, seed: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-async def run_pool(policy: str, prompts: list[list[int]],
-                   max_spread: float | None = None) -> list[IterationRecord]:
+async def run_pool(policy: str, prompts: list[list[int]]) -> list[IterationRecord]:
     # decode KV holds about one batch of ~11 short requests; the pool holds all of them
     config = make_config(policy=policy, num_decode_blocks=160, num_staging_blocks=256,
                          num_prefill_blocks=512, max_prefill_tokens=8192, min_requests=8,
-                         max_batch_size=64, max_position_embeddings=2048, host_pool_gb=1.0,
-                         max_spread=max_spread)
+                         max_batch_size=64, max_position_embeddings=2048, host_pool_gb=1.0)
     async with Engine(config) as engine:
         await asyncio.gather(*(collect(engine, p, SamplingParams(max_tokens=64,
                                                                  ignore_eos=True))
@@ -47,13 +45,14 @@ async def run_pool(policy: str, prompts: list[list[int]],
 async def test_aligned_keeps_iterations_aligned_where_fcfs_mixes() -> None:
     prompts = short_long_prompts(100)
     aligned = aligned_share(await run_pool("aligned", prompts))
-    strict = aligned_share(await run_pool("aligned", prompts, max_spread=1.5))
+    loose = aligned_share(await run_pool("aligned-loose", prompts))
     fcfs = aligned_share(await run_pool("fcfs", prompts))
-    # measured on the 2-core CPU over prompt seeds 0-3: aligned 0.53-0.74, with strict
-    # alignment (max_spread 1.5) 0.88-0.91, fcfs 0.06-0.11 (see the issue note)
-    assert strict >= 0.85, strict
+    # measured on the 2-core CPU over prompt seeds 0-3: aligned (max_spread 1.5, the
+    # default) 1.00, aligned-loose (the paper's rules without the bound) 0.62-0.74, fcfs
+    # 0.06-0.11 (see the issue note)
+    assert aligned >= 0.85, aligned
     assert fcfs <= 0.2, fcfs
-    assert aligned >= 4 * fcfs, (aligned, fcfs)
+    assert loose >= 4 * fcfs, (loose, fcfs)
 
 
 NUM_SHORT_GROUPS = 20  # groups of 8 short requests, one group every 40 ms

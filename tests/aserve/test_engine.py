@@ -13,7 +13,7 @@ from aserve import Engine, SamplingParams
 from aserve.core import RequestOutput
 from tests.conftest import make_config, make_prompts
 
-POLICIES = ["fcfs", "continuous", "aligned", "aligned-noprefetch"]
+POLICIES = ["fcfs", "continuous", "aligned", "aligned-noprefetch", "aligned-loose"]
 
 
 async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParams,
@@ -69,13 +69,11 @@ async def test_greedy_outputs_match_transformers(policy: str, tiny_checkpoint: P
     assert all(o.finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize(("policy", "max_spread"), [("fcfs", None), ("continuous", None),
-                                                    ("aligned", None), ("aligned", 1.5)])
-async def test_aborted_requests_free_every_block(policy: str, max_spread: float | None) -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "continuous", "aligned", "aligned-loose"])
+async def test_aborted_requests_free_every_block(policy: str) -> None:
     rng = random.Random(3)
     prompts = make_prompts(200, 1, 120, 512, seed=4)
-    config = make_config(policy=policy, num_decode_blocks=128, num_staging_blocks=64,
-                         max_spread=max_spread)
+    config = make_config(policy=policy, num_decode_blocks=128, num_staging_blocks=64)
     async with Engine(config) as engine:
         async def one(i: int, prompt: list[int]) -> tuple[bool, RequestOutput | None]:
             params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True)
@@ -100,13 +98,10 @@ async def test_aborted_requests_free_every_block(policy: str, max_spread: float 
         await settle(engine)
 
 
-@pytest.mark.parametrize(("policy", "max_spread"), [("fcfs", None), ("aligned", None),
-                                                    ("continuous", None), ("aligned", 1.5)])
-async def test_small_decode_cache_forces_evictions_and_all_complete(
-        policy: str, max_spread: float | None) -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "aligned", "continuous", "aligned-loose"])
+async def test_small_decode_cache_forces_evictions_and_all_complete(policy: str) -> None:
     prompts = make_prompts(24, 40, 100, 512, seed=5)
-    config = make_config(policy=policy, num_decode_blocks=24, num_staging_blocks=32,
-                         max_spread=max_spread)
+    config = make_config(policy=policy, num_decode_blocks=24, num_staging_blocks=32)
     async with Engine(config) as engine:
         outs = await asyncio.gather(*(
             collect(engine, p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in prompts))

@@ -91,14 +91,30 @@ def test_strict_candidate_requests_never_widen_the_batch_beyond_max_spread(name:
 
 
 @pytest.mark.parametrize("name", ALIGNED)
-def test_strict_switch_returns_what_does_not_fit_the_new_batch_to_the_pool(name: str) -> None:
+def test_strict_switch_returns_the_old_batchs_stragglers_to_the_pool(name: str) -> None:
     running = [seq("old-long", 300, 19, batch_id=1), seq("old-near", 110, 7, batch_id=1)]
     requests = (seq("stale", 290, 19),)
     batch = (seq("b1", 100, 7, arrival=1.0), seq("b2", 120, 8, arrival=2.0))
-    # 9 free blocks take b1 only; returning old-long frees 19 more, enough for b2 as well
+    # two running seqs are at most drain_floor (0.1) of 64 slots: the old batch has drained
+    # to its stragglers. 9 free blocks would take b1, but 100 next to 300 breaks 1.5x;
+    # returning old-long (and the stale candidate request) frees 19 more: b1 and b2 enter
     got = strict(name, view(running, 9, requests=requests, batch=batch))
     assert got == BoundaryPlan(admit_batch=("b1", "b2"), to_pool=("old-long", "stale"))
     assert plan(name, view(running, 9, requests=requests, batch=batch)).to_pool == ()
+
+
+@pytest.mark.parametrize("name", ALIGNED)
+def test_strict_switch_waits_for_the_old_batch_to_drain(name: str) -> None:
+    old = [seq(f"old{i}", 300 + i, 19, batch_id=1) for i in range(7)]  # 7 > 0.1 * 64 slots
+    batch = (seq("b1", 100, 7, arrival=1.0), seq("b2", 280, 18, arrival=2.0))
+    # b2 fits 1.5x with the old batch and enters; b1 waits, and nothing goes back
+    assert strict(name, view(old, 40, batch=batch)) == BoundaryPlan(admit_batch=("b2",))
+    assert strict(name, view(old, 40, batch=batch[:1])) == BoundaryPlan()
+    # drained to 6: the stragglers go back to the pool and b1 enters
+    got = strict(name, view(old[:6], 40, batch=batch[:1]))
+    assert got == BoundaryPlan(admit_batch=("b1",), to_pool=tuple(s.seq_id for s in old[:6]))
+    # a candidate batch wider than 1.5x enters in pieces, the first in arrival order first
+    assert strict(name, view([], 40, batch=batch)) == BoundaryPlan(admit_batch=("b1",))
 
 
 def test_fcfs_refills_strictly_by_arrival() -> None:

@@ -131,7 +131,7 @@ def test_without_starvation_control_the_long_request_waits_indefinitely() -> Non
 
 
 def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
-    policy = get_policy("aligned", PolicyConfig())
+    policy = get_policy("aligned-loose", PolicyConfig())  # the window widened by match_slack
     for seq_id, length in [("x", 90), ("y", 105), ("z", 120), ("w", 200)]:
         policy.add(SeqView(seq_id, length, 7, 0.0))
     lo, hi = policy.prefetch_window([100, 110])
@@ -142,8 +142,8 @@ def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
     assert get_policy("aligned-noprefetch", PolicyConfig()).matching(0, 10**6, 100, 10) == []
 
 
-def test_strict_prefetch_window_keeps_the_batch_within_max_spread() -> None:
-    policy = get_policy("aligned", PolicyConfig(max_spread=1.5))
+def test_prefetch_window_keeps_the_batch_within_max_spread() -> None:
+    policy = get_policy("aligned", PolicyConfig())  # max_spread 1.5 by default
     assert policy.prefetch_window([100, 110]) == (74, 150)  # ceil(110 / 1.5), 100 * 1.5
     assert policy.prefetch_window([100, 140]) == (94, 150)
     assert policy.prefetch_window([100, 200]) == (0, -1)  # already wider than 1.5x: none
