@@ -66,7 +66,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Which policy runs and its budgets."""
 
-    policy: str = "aligned"  # aligned | aligned-noprefetch | fcfs | continuous | registered
+    policy: str = "aligned"  # aligned | aligned-loose | aligned-noprefetch | fcfs | continuous
     max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
     max_batch_size: int = 256  # most sequences in one decode iteration
     min_requests: int = 8  # DFS: smallest batch that saturates the decode device

