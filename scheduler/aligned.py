@@ -160,11 +160,10 @@ class AlignedPolicy(Policy):
         the starvation threshold ago are never sent back.
 
         NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
-        in); draining first and returning only the stragglers is the cheapest mix measured.
-        On tests/aserve/test_aligned.py's pool it keeps 100 % of iterations within 1.5x
-        (returning everything that does not fit the new batch at once: 88-91 %, and at
-        paper scale the returns' copies halved the simulator's decode throughput); see
-        bench/RESULTS.md section 3 for its throughput against ``aligned-loose`` and fcfs.
+        in). On tests/aserve/test_aligned.py's pool this keeps 100 % of iterations within
+        1.5x, but it costs decode throughput: 0.72-0.96x fcfs on the CPU sweep, about half
+        of aligned-loose's in the simulator where decode is the bottleneck. The other
+        designs measured and their costs are in bench/RESULTS.md section 3.
         """
         evict = plan_evictions(view, victims)
         if evict:
