@@ -232,10 +232,8 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
     kwargs: dict[str, object] = {}
     for name in _ENGINE_ARGS:
         value = getattr(args, name)
-        if name == "max_spread" and isinstance(value, str):
-            value = spread_arg(value)
-        elif isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
-                                                            "float | None"):
+        if isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
+                                                          "float | None"):
             value = float(value) if types[name].startswith("float") else int(value)
         kwargs[name] = value
     prefill = args.prefill_devices or _split(env.get(ENV_PREFIX + "PREFILL_DEVICES", "cpu"))

@@ -177,14 +177,15 @@ class AlignedPolicy(Policy):
         floor = int(self.config.drain_floor * view.max_batch_size)
         if plan.admit_batch or not batch or len(view.running) > floor:
             return plan
-        return self._switch(view, requests, batch)
+        return self._switch(view, requests, batch, unswitched=plan)
 
     def _switch(self, view: BoundaryView, requests: Sequence[SeqView],
-                batch: Sequence[SeqView]) -> BoundaryPlan:
+                batch: Sequence[SeqView], unswitched: BoundaryPlan) -> BoundaryPlan:
         """A batch switch once the old batch has drained to its stragglers: running seqs
         and candidate requests that do not fit ``max_spread`` with the candidate batch
-        return to the pool, then admission runs again on the room they free. Nothing is
-        returned if the candidate batch would not get in even then."""
+        return to the pool, then admission runs again on the room they free. If the
+        candidate batch would not get in even then, nothing is returned: ``unswitched``,
+        the plan without the switch, stands."""
         spread = self.config.max_spread
         assert spread is not None, "only strict alignment switches this way"
         batch_range = LengthRange.of(s.length for s in batch)
@@ -198,7 +199,7 @@ class AlignedPolicy(Policy):
         requests = [s for s in requests if s.seq_id not in stale_ids]
         plan = plan_admissions(after, requests, batch, is_strict=False, max_spread=spread)
         if not plan.admit_batch:
-            return plan_admissions(view, requests, (), is_strict=False, max_spread=spread)
+            return unswitched
         return dataclasses.replace(plan, to_pool=tuple(s.seq_id for s in stale))
 
 
