@@ -109,10 +109,10 @@ class DecodeSim:
     free_blocks: int = DECODE_BLOCKS
     batch_id: int = 0
 
-    def view(self) -> BoundaryView:
+    def view(self, now: float) -> BoundaryView:
         return BoundaryView(tuple(self.running.values()), self.free_blocks, BLOCK_SIZE,
                             MAX_BATCH_SIZE, tuple(self.requests.values()),
-                            tuple(self.batch.values()), self.batch_id)
+                            tuple(self.batch.values()), self.batch_id, now)
 
     def apply(self, evict: tuple[str, ...], admit: tuple[str, ...], from_batch: bool) -> None:
         for seq_id in evict:
@@ -164,11 +164,12 @@ def test_bench_per_iteration_decision_with_10k_pooled() -> None:
     for it in range(ITER_REPEATS):
         now = it * 0.02
         start = time.perf_counter()
-        plan = policy.plan_boundary(sim.view())
+        plan = policy.plan_boundary(sim.view(now))
         taken = (policy.next_batch(DECODE_BLOCKS, MAX_BATCH_SIZE, now)
                  if not sim.batch else [])
         lo, hi = policy.prefetch_window([s.length for s in sim.running.values()])
-        matched = policy.matching(lo, hi, max(0, sim.free_blocks // 4), 8 - len(sim.requests))
+        matched = policy.matching(lo, hi, max(0, sim.free_blocks // 4), 8 - len(sim.requests),
+                                  now)
         samples.append(time.perf_counter() - start)
         if taken:
             with_dfs.append(samples[-1])

@@ -72,9 +72,9 @@ class AlignedPolicy(Policy):
 
     def _past_threshold(self, view: BoundaryView, since: float) -> bool:
         """Whether more than the starvation threshold has passed since ``since`` at the
-        boundary (never without a threshold or a clock)."""
+        boundary (never without a threshold)."""
         threshold = self.config.starvation_threshold
-        return threshold is not None and view.now is not None and view.now - since > threshold
+        return threshold is not None and view.now - since > threshold
 
     def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
         """DFS, except that a starving request is served first, with the subtree around it.
@@ -93,14 +93,14 @@ class AlignedPolicy(Policy):
         return density_first_search(self.tree, max_blocks, min_requests, max_requests)
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
-                 now: float | None = None) -> list[str]:
+                 now: float) -> list[str]:
         """Pooled requests with ``lo <= length <= hi``, shortest first, while they fit.
 
         NOTE: none while a pooled request starves: matching requests would keep the running
         batch fed, the candidate batch would never drain, and the next batch (which serves
         the starving request) would never be formed.
         """
-        if now is not None and self.starving_request(now) is not None:
+        if self.starving_request(now) is not None:
             return []
         candidates = ((seq_id, blocks) for _, seq_id, blocks in self.tree.requests_in_range(lo, hi))
         return take_in_order(candidates, max_blocks, max_requests)
@@ -224,5 +224,5 @@ class AlignedNoPrefetchPolicy(AlignedPolicy):
     uses_dynamic_prefetch = False
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
-                 now: float | None = None) -> list[str]:
+                 now: float) -> list[str]:
         return []

@@ -41,7 +41,7 @@ class BoundaryView:
     candidate_requests: tuple[SeqView, ...]  # staged single requests (evicted / prefetched)
     candidate_batch: tuple[SeqView, ...]  # the staged next batch (may be empty)
     current_batch_id: int  # running seqs with another batch_id belong to the old batch
-    now: float | None = None  # the engine's clock at this boundary (seconds), if it passes one
+    now: float  # the driver's clock at this boundary (seconds; the clock of arrival_time)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -89,9 +89,10 @@ class Policy(ABC):
         """
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
-                 now: float | None = None) -> list[str]:
+                 now: float) -> list[str]:
         """Dynamic prefetch: pooled requests with ``lo <= length <= hi``; none by default.
-        ``now`` (seconds), when given, lets a policy hold back for a starving request."""
+        ``now`` (seconds, the clock of the arrival times) lets a policy hold back for a
+        starving request."""
         return []
 
     def prefetch_basis(self, current: Sequence[int], running: Sequence[int]) -> Sequence[int]:

@@ -178,14 +178,15 @@ class DecodeInstance(SimActor):
 
         def views(seqs: Sequence[SimSeq]) -> tuple[SeqView, ...]:
             return tuple(SeqView(s.seq_id, s.num_tokens, blocks_for(s.num_computed),
-                                 s.arrival_time, s.batch_id) for s in seqs)
+                                 s.arrival_time, s.batch_id, s.last_token_time) for s in seqs)
 
         return BoundaryView(
             running=views(self.running), free_blocks=self.store.num_free,
             block_size=self.ctx.config.block_size,
             max_batch_size=self.ctx.config.max_batch_size,
             candidate_requests=views(self.cand_requests),
-            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id)
+            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
+            now=self.ctx.loop.now)
 
     def _evict(self, seq: SimSeq) -> None:
         """Running -> candidate requests buffer, else host pool, else recompute later."""

@@ -90,7 +90,7 @@ class SimSeq:
 
     __slots__ = ("seq_id", "prompt_len", "output_len", "arrival_time", "num_tokens",
                  "num_computed", "num_output", "num_blocks", "location", "instance",
-                 "batch_id", "status")
+                 "batch_id", "status", "last_token_time")
 
     def __init__(self, seq_id: str, prompt_len: int, output_len: int,
                  arrival_time: float) -> None:
@@ -106,6 +106,7 @@ class SimSeq:
         self.instance = -1
         self.batch_id = -1
         self.status = WAITING
+        self.last_token_time: float | None = None  # starvation control's clock (None: arrival)
 
     def __repr__(self) -> str:
         where = self.location.name if self.location else "-"
@@ -260,6 +261,7 @@ class Recorder:
         the last one the request asked for."""
         seq.num_tokens += 1
         seq.num_output += 1
+        seq.last_token_time = time
         if seq.num_output == 1:
             self.events.append(Event(seq.seq_id, "first_token", time))
         elif self.record_tokens:

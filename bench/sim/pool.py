@@ -51,7 +51,7 @@ class Pool:
         self.seqs[seq.seq_id] = seq
         num_blocks = self.ctx.stores.blocks_for(seq.num_computed)
         view = SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.arrival_time, seq.batch_id,
-                       waiting_since=self.ctx.loop.now)
+                       waiting_since=seq.last_token_time)
         start = time.perf_counter()
         self.ctx.policy.add(view)
         self.ctx.policy_time += time.perf_counter() - start
@@ -163,7 +163,8 @@ class Batcher(SimActor):
         if room <= 0 or window.max_requests <= 0:
             return False
         start = time.perf_counter()
-        seq_ids = self.ctx.policy.matching(window.lo, window.hi, room, window.max_requests)
+        seq_ids = self.ctx.policy.matching(window.lo, window.hi, room, window.max_requests,
+                                           self.ctx.loop.now)
         self.ctx.policy_time += time.perf_counter() - start
         if not seq_ids:
             return False

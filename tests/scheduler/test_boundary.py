@@ -26,7 +26,7 @@ def seq(seq_id: str, length: int, num_blocks: int | None = None, arrival: float 
 def view(running: list[SeqView], free_blocks: int, requests: tuple[SeqView, ...] = (),
          batch: tuple[SeqView, ...] = (), max_batch_size: int = 64) -> BoundaryView:
     return BoundaryView(tuple(running), free_blocks, BLOCK_SIZE, max_batch_size,
-                        requests, batch, CURRENT)
+                        requests, batch, CURRENT, now=0.0)
 
 
 def plan(policy_name: str, v: BoundaryView, max_spread: float | None = None) -> BoundaryPlan:

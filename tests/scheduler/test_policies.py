@@ -136,10 +136,10 @@ def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
         policy.add(SeqView(seq_id, length, 7, 0.0))
     lo, hi = policy.prefetch_window([100, 110])
     assert (lo, hi) == (75, 137)
-    assert policy.matching(lo, hi, max_blocks=100, max_requests=10) == ["x", "y", "z"]
-    assert policy.matching(lo, hi, max_blocks=14, max_requests=10) == ["x", "y"]
-    assert policy.matching(lo, hi, max_blocks=100, max_requests=1) == ["x"]
-    assert get_policy("aligned-noprefetch", PolicyConfig()).matching(0, 10**6, 100, 10) == []
+    assert policy.matching(lo, hi, max_blocks=100, max_requests=10, now=0.0) == ["x", "y", "z"]
+    assert policy.matching(lo, hi, max_blocks=14, max_requests=10, now=0.0) == ["x", "y"]
+    assert policy.matching(lo, hi, max_blocks=100, max_requests=1, now=0.0) == ["x"]
+    assert get_policy("aligned-noprefetch", PolicyConfig()).matching(0, 10**6, 100, 10, 0.0) == []
 
 
 def test_prefetch_window_keeps_the_batch_within_max_spread() -> None:

@@ -3,7 +3,9 @@ a KV-starved cluster (evictions) with all requests finished and every block free
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -161,3 +163,34 @@ def test_cpu_copies_take_device_time() -> None:
     # -> decode is a copy within the one device, at its (FAST) memory bandwidth
     assert result.device_busy["cpu"] == pytest.approx(forwards + 4 * block_s)
     assert result.end_time >= forwards + 4 * block_s - EPS
+
+
+def _long_request_wait(system: str, threshold: float | None) -> float:
+    """Simulated seconds a long request waits from the pool to its first decode step while
+    groups of short requests keep arriving faster than decode drains them (the engine's
+    tests/aserve/test_aligned.py scenario, on a 15 ms step)."""
+    rng = random.Random(1)
+    reqs = []
+    for i in range(400):
+        reqs.append(WorkloadRequest(f"s{i}", rng.randint(20, 40), 24, (i // 8) * 0.04))
+        if i == 16:  # after the first batches formed, so it cannot join them
+            reqs.append(WorkloadRequest("long", 600, 8, (i // 8) * 0.04))
+    config = _config(num_decode_blocks=48, min_requests=4, max_batch_size=16)
+    config = replace(config, starvation_threshold=threshold)
+    cost = _unit_cost()
+    cost = CostModel(cost.geometry, cost.hardware, replace(cost.params, step_overhead=0.015))
+    result = simulate(Workload("starve", tuple(reqs)), system, config, cost)
+    times: dict[str, float] = {}
+    for e in result.events:
+        if e.seq_id == "long":
+            times.setdefault(e.kind, e.time)
+    return times["decode_start"] - times["pooled"]
+
+
+@pytest.mark.parametrize("system", ["aligned", "aligned-loose"])
+def test_starvation_control_acts_in_simulation(system: str) -> None:
+    """The simulator passes its clock to the policy at decode boundaries and to dynamic
+    prefetch: without that (as before issue 16) aligned-loose kept the long request out
+    for as long as short ones kept coming (~9.7 s), as if starvation control were off."""
+    wait_on, wait_off = _long_request_wait(system, 0.3), _long_request_wait(system, None)
+    assert wait_off > 3 * wait_on, (wait_on, wait_off)
