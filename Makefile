@@ -35,7 +35,7 @@ soak: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/ruff check aserve models scheduler transport bench tests
+	$(BIN)/ruff check aserve models scheduler transport sim bench tests
 	$(BIN)/mypy aserve models scheduler transport
 
 clean:

@@ -85,14 +85,17 @@ async def _generate(config: object, prompt: str, params: SamplingParams) -> int:
     return 0
 
 
+_COMMAND_MODULES = {"bench": "bench.bench_cli", "sim": "sim.cli"}
+
+
 def _run_bench_module(command: str, rest: list[str]) -> int:
-    """`aserve bench|sim` run the harness in bench/, which ships with the repository
-    (not with the installed package): the package itself never imports it."""
+    """`aserve bench|sim` run the harness in bench/ and the simulator in sim/, which ship
+    with the repository: the engine itself never imports them."""
     repo = Path(__file__).resolve().parents[1]
     if (repo / "bench").is_dir() and str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
     try:
-        module = importlib.import_module(f"bench.{command}_cli")
+        module = importlib.import_module(_COMMAND_MODULES[command])
     except ImportError as exc:
         print(f"aserve {command}: needs the repository's bench/ folder on the path ({exc})",
               file=sys.stderr)

@@ -10,16 +10,15 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
-from aserve.actors.base import Actor, EngineContext
+from aserve.actors.base import Actor, EngineContext, EngineWiring
 from aserve.actors.batcher import BatcherActor
 from aserve.actors.continuous import ContinuousActor
 from aserve.actors.decode import DecodeActor
-from aserve.actors.pool import PoolActor
 from aserve.actors.prefill import PrefillActor
 from aserve.config import EngineConfig
 from aserve.core import (
@@ -30,10 +29,10 @@ from aserve.core import (
     Sequence,
     StepOutput,
 )
+from aserve.cores import Lifecycle
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.kvspace import KVSpace
 from aserve.messages import Abort, Submit
-from aserve.outputs import Outputs
 from aserve.runner import ModelRunner
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -41,13 +40,16 @@ from scheduler import PolicyConfig, get_policy
 from transport.kv import KVGeometry
 
 logger = logging.getLogger(__name__)
+RunnerFactory = Callable[[Any, torch.device, int], ModelRunner]
 
 
 class Engine:
     """One serving engine: prefill, pool, batcher and decode actors over shared KV space."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None,
+                 runner_factory: RunnerFactory | None = None) -> None:
         self.config = config or EngineConfig()
+        self._runner_factory = runner_factory or ModelRunner  # a test's runner replaces it
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._live: dict[str, Sequence] = {}
@@ -71,7 +73,7 @@ class Engine:
         runners: dict[str, ModelRunner] = {}
         for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
             runners[dev] = await asyncio.to_thread(
-                ModelRunner, cfg.model, torch.device(dev), cfg.cache.block_size)
+                self._runner_factory, cfg.model, torch.device(dev), cfg.cache.block_size)
         model_config = next(iter(runners.values())).model_config
         self.tokenizer = load_tokenizer(
             None if model_config_is_preset(cfg.model.model) else cfg.model.model,
@@ -88,9 +90,9 @@ class Engine:
         # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
         kv = await asyncio.to_thread(KVSpace, cfg, geometry,
                                      {dev: r.executor for dev, r in runners.items()})
-        self.ctx = EngineContext(cfg, kv, runners, policy,
-                                 Outputs(model_config.eos_token_id,
-                                         trace_limit=cfg.trace_limit),
+        self.ctx = EngineContext(cfg, kv, runners, policy,  # type: ignore[arg-type]
+                                 Lifecycle(kv, model_config.eos_token_id,
+                                           trace_limit=cfg.trace_limit),
                                  model_config.max_position_embeddings)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
@@ -109,24 +111,26 @@ class Engine:
         actor = next(a for a in self.actors if a.name == task.get_name())
         error = f"actor {actor.name} died: " + actor.record_error(
             exc or EngineError("its loop returned"))
-        for seq in list(self._live.values()):
-            self._context.outputs.finish(seq, SeqStatus.FINISHED_ERROR, error)
+        for seq in list(self._live.values()):  # NOTE: not freed: another actor may hold them
+            self._context.outputs.finish(seq, SeqStatus.FINISHED_ERROR, error,
+                                         at=time.perf_counter(), release=False)
 
     def _build_actors(self, ctx: EngineContext) -> None:
+        num_decode = len(ctx.config.decode_devices)
         if not ctx.policy.uses_pool:
-            ctx.decode = [ContinuousActor(ctx, j)  # type: ignore[misc]
-                          for j in range(len(ctx.config.decode_devices))]
+            ctx.decode = [ContinuousActor(ctx, j) for j in range(num_decode)]
             return
-        ctx.prefill = [PrefillActor(ctx, i) for i in range(len(ctx.config.prefill_devices))]
-        ctx.pool = PoolActor(ctx)
-        ctx.batcher = BatcherActor(ctx)
-        ctx.decode = [DecodeActor(ctx, j) for j in range(len(ctx.config.decode_devices))]
+        wiring = EngineWiring(ctx)
+        ctx.prefill = [PrefillActor(ctx, i, wiring)
+                       for i in range(len(ctx.config.prefill_devices))]
+        ctx.batcher = BatcherActor(ctx, wiring)
+        ctx.decode = [DecodeActor(ctx, j, wiring) for j in range(num_decode)]
 
     @property
     def actors(self) -> list[Actor]:
         ctx = self._context
-        extra = [a for a in (ctx.pool, ctx.batcher) if a is not None]
-        return [*ctx.prefill, *extra, *ctx.decode]
+        batcher = [ctx.batcher] if ctx.batcher is not None else []
+        return [*ctx.prefill, *batcher, *ctx.decode]
 
     @property
     def _context(self) -> EngineContext:
@@ -211,7 +215,7 @@ class Engine:
         self._live[seq.seq_id] = seq
         ctx.outputs.event(seq.seq_id, "arrival", request.arrival_time)
         actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
-        target = min(actors, key=lambda a: a.num_waiting_tokens)  # type: ignore[attr-defined]
+        target = min(actors, key=lambda a: a.core.num_waiting_tokens)  # type: ignore[attr-defined]
         target.send(Submit(seq))
         return queue
 
@@ -265,9 +269,9 @@ class Engine:
         ctx = self._context
         if request_id not in self._live or self._live[request_id].is_finished:
             return
-        ctx.outputs.finish_requests.setdefault(request_id, status)
+        ctx.outputs.abort(request_id, status)
         for actor in self.actors:
-            actor.send(Abort(request_id))
+            actor.send(Abort())
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

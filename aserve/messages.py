@@ -6,11 +6,10 @@ Messages never carry tensors.
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 
 from aserve.core import Sequence
+from aserve.cores import Window
 
 
 class Submit(msgspec.Struct, frozen=True):
@@ -27,17 +26,11 @@ class Pooled(msgspec.Struct, frozen=True):
 
 
 class Abort(msgspec.Struct, frozen=True):
-    """End a request wherever it is; every actor that owns it frees its blocks."""
-
-    seq_id: str
+    """An abort was asked for: the actor ends what it holds idle and was asked to end."""
 
 
-class PoolSpace(msgspec.Struct, frozen=True):
-    """Host-pool blocks were freed; a prefill actor waiting on backpressure may go on."""
-
-
-class PoolChanged(msgspec.Struct, frozen=True):
-    """The pool gained requests; the batcher may be able to serve a waiting instance."""
+class Wake(msgspec.Struct, frozen=True):
+    """Room was freed (host pool or staging): a waiting actor may go on."""
 
 
 class WantBatch(msgspec.Struct, frozen=True):
@@ -47,43 +40,16 @@ class WantBatch(msgspec.Struct, frozen=True):
 
 
 class RunningWindow(msgspec.Struct, frozen=True):
-    """A decode instance's running prefix-length range, for dynamic prefetch."""
+    """A decode instance's running prefix-length window, for dynamic prefetch."""
 
     instance: int
-    lo: int
-    hi: int
-    max_blocks: int  # staging room the instance can accept for matching requests
-    max_requests: int
+    window: Window
 
 
-class TakeBatch(msgspec.Struct, frozen=True):
-    """Batcher -> pool: remove the policy's next batch and hand its sequences over."""
-
-    max_blocks: int
-    max_requests: int
-    reply: asyncio.Future[list[Sequence]]
-
-
-class TakeMatching(msgspec.Struct, frozen=True):
-    """Batcher -> pool: remove pool requests whose length lies in [lo, hi]."""
-
-    lo: int
-    hi: int
-    max_blocks: int
-    max_requests: int
-    reply: asyncio.Future[list[Sequence]]
-
-
-class CandidateBatch(msgspec.Struct, frozen=True):
-    """Batcher -> decode: the next batch, staged (or still in the host pool without staging)."""
+class Deliver(msgspec.Struct, frozen=True):
+    """Batcher -> decode: the next candidate batch, or candidate requests (batch_id < 0)."""
 
     batch_id: int
-    seqs: list[Sequence]
-
-
-class CandidateRequests(msgspec.Struct, frozen=True):
-    """Batcher -> decode: single requests staged because they match the running batch."""
-
     seqs: list[Sequence]
 
 
@@ -91,7 +57,4 @@ class Stop(msgspec.Struct, frozen=True):
     """Ends an actor's run loop."""
 
 
-Message = (
-    Submit | Pooled | Abort | PoolSpace | PoolChanged | WantBatch | RunningWindow | TakeBatch
-    | TakeMatching | CandidateBatch | CandidateRequests | Stop
-)
+Message = Submit | Pooled | Abort | Wake | WantBatch | RunningWindow | Deliver | Stop

@@ -1,8 +1,9 @@
-"""The actor base class and the context every actor of one engine shares.
+"""The engine driver's shared parts: the context every actor of one engine shares, the actor
+base class (an inbox and a `run()` loop that waits on it, never polls), and the wiring that
+turns the cores' requests to one another into messages.
 
-An actor owns an inbox and a `run()` loop that waits on it (never polls). Its loop catches
-exceptions at the boundary: the sequences it was processing fail with `finish_reason="error"`,
-their blocks are freed, and the loop goes on.
+An actor's loop catches exceptions at its boundary: the sequences it was processing fail with
+`finish_reason="error"`, their blocks are freed, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -11,52 +12,88 @@ import asyncio
 import logging
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aserve.config import EngineConfig
-from aserve.core import SeqStatus, Sequence
+from aserve.core import Sequence
+from aserve.cores import Forward, Lifecycle, Move, Window
 from aserve.kvspace import KVSpace
-from aserve.messages import Message, PoolSpace, Stop
-from aserve.outputs import Outputs
-from aserve.runner import ModelRunner, WorkItem
-from scheduler import Policy, SeqView
+from aserve.messages import Deliver, Message, Pooled, RunningWindow, Stop, Submit, WantBatch, Wake
+from aserve.runner import StepResult, WorkItem
+from scheduler import Policy
 
 if TYPE_CHECKING:
     from aserve.actors.batcher import BatcherActor
-    from aserve.actors.decode import DecodeActor
-    from aserve.actors.pool import PoolActor
     from aserve.actors.prefill import PrefillActor
 
 logger = logging.getLogger(__name__)
 
 
+class Runner(Protocol):
+    """What the actors need of a model runner (aserve.runner.ModelRunner, or a test's)."""
+
+    async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult: ...
+
+
 @dataclass
 class EngineContext:
-    """What the actors of one engine share: config, KV space, runners, policy, outputs,
+    """What the actors of one engine share: config, KV space, runners, policy, lifecycle,
     and each other's addresses (to send messages, never to call into internals)."""
 
     config: EngineConfig
     kv: KVSpace
-    runners: dict[str, ModelRunner]  # by device string
+    runners: dict[str, Runner]  # by device string
     policy: Policy
-    outputs: Outputs
+    outputs: Lifecycle
     max_model_len: int
+    clock: Callable[[], float] = time.perf_counter  # the engine driver's one clock
     prefill: list[PrefillActor] = field(default_factory=list)
-    decode: list[DecodeActor] = field(default_factory=list)
-    pool: PoolActor | None = None
+    decode: list[Actor] = field(default_factory=list)
     batcher: BatcherActor | None = None
 
-    def notify_pool_space(self) -> None:
-        """Wakes prefill actors held back by a full host pool."""
-        for actor in self.prefill:
-            if actor.blocked:
-                actor.send(PoolSpace())
+    def now(self) -> float:
+        return self.clock()
+
+
+class EngineWiring:
+    """`aserve.cores.Wiring` as messages between the actors of one engine."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+
+    def _batcher(self) -> BatcherActor:
+        assert self.ctx.batcher is not None, "disaggregated engine has a batcher"
+        return self.ctx.batcher
+
+    def pooled(self, seq: Sequence) -> None:
+        self._batcher().send(Pooled(seq))
+
+    def want_batch(self, instance: int) -> None:
+        self._batcher().send(WantBatch(instance))
+
+    def report_window(self, instance: int, window: Window) -> None:
+        self._batcher().send(RunningWindow(instance, window))
+
+    def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
+        self.ctx.decode[instance].send(Deliver(batch_id, seqs))
+
+    def pool_space(self) -> None:
+        for actor in self.ctx.prefill:
+            if actor.core.blocked:
+                actor.send(Wake())
+
+    def staging_space(self, instance: int) -> None:
+        self._batcher().send(Wake())
+
+    def recompute(self, seq: Sequence) -> None:
+        target = min(self.ctx.prefill, key=lambda actor: actor.core.num_waiting_tokens)
+        target.send(Submit(seq, front=True))
 
 
 class Actor:
-    """Inbox plus run loop; subclasses implement `handle` (and may override `run`)."""
+    """Inbox plus run loop; subclasses implement `receive` and `act`."""
 
     name = "actor"
 
@@ -72,18 +109,37 @@ class Actor:
     def stop(self) -> None:
         self.send(Stop())
 
+    @property
+    def has_work(self) -> bool:
+        """Whether `act` has something to do now (else the loop waits for a message)."""
+        return False
+
     async def run(self) -> None:
         while True:
-            message = await self.inbox.get()
-            if isinstance(message, Stop):
+            if not self.has_work and self._take(await self.inbox.get()):
                 return
+            while not self.inbox.empty():
+                if self._take(self.inbox.get_nowait()):
+                    return
             try:
-                await self.handle(message)
+                await self.act()
             except Exception as exc:  # the actor's boundary: log, fail what it held, go on
-                self.record_error(exc)
+                self.on_error(self.record_error(exc))
 
-    async def handle(self, message: Message) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement handle()")
+    def _take(self, message: Message) -> bool:
+        if isinstance(message, Stop):
+            return True
+        self.receive(message)
+        return False
+
+    def receive(self, message: Message) -> None:
+        """Applies one message to the actor's core (no awaits)."""
+
+    async def act(self) -> None:
+        """Does what the core asks for now, awaiting forwards and copies."""
+
+    def on_error(self, error: str) -> None:
+        """Fails what the actor held when `act` raised."""
 
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
@@ -93,41 +149,28 @@ class Actor:
                      "".join(traceback.format_exception(exc)))
         return self.last_error
 
-    def fail(self, seqs: Iterable[Sequence], error: str) -> None:
-        """Ends `seqs` with finish_reason="error" and frees their blocks."""
-        for seq in seqs:
-            self.finish(seq, SeqStatus.FINISHED_ERROR, error)
+    async def forward(self, step: Forward, kv_cache: object, runner: Runner) -> StepResult:
+        """Runs `step` on the device's worker thread (the engine's one way to compute)."""
+        items = [work_item(s, self.ctx.kv.table(s), n)
+                 for s, n in zip(step.seqs, step.num_new_tokens)]
+        return await runner.execute(items, kv_cache)
 
-    def finish(self, seq: Sequence, status: SeqStatus, error: str | None = None) -> None:
-        """Ends `seq` and frees every block it holds (exactly once)."""
-        self.ctx.kv.release(seq)
-        self.ctx.outputs.finish(seq, status, error)
+    async def wait(self) -> None:
+        """Nothing can run now: waits for the next message instead of spinning."""
+        if self._take(await self.inbox.get()):
+            self.stop()
 
-    async def move(self, seq: Sequence, dst_name: str) -> bool:
-        """`KVSpace.move`, except that a failed copy (or a store refusing the allocation)
-        fails `seq` alone: it ends with finish_reason="error" and its blocks are freed.
-
-        Returns False when the destination is full or the move failed; the caller tells the
-        two apart by `seq.is_finished`."""
+    async def carry_out(self, move: Move, landed: Callable[[Move, float], None],
+                        failed: Callable[[Move, str, float], None]) -> bool:
+        """Copies one KV move, then tells its core: `landed(move, now)`, or on a failed
+        copy `failed(move, error, now)` (that seq alone ends with an error)."""
         try:
-            return await self.ctx.kv.move(seq, dst_name)
+            await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
-            self.finish(seq, SeqStatus.FINISHED_ERROR, self.record_error(exc))
+            failed(move, self.record_error(exc), self.ctx.now())
             return False
-
-    def reap(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finishes the sequences an abort or stop string asked to end, frees their blocks,
-        and returns those still live, in order."""
-        live = []
-        for seq in seqs:
-            status = self.ctx.outputs.requested_status(seq)
-            if status is not None:
-                self.finish(seq, status)
-            elif seq.is_finished:
-                self.ctx.kv.release(seq)
-            else:
-                live.append(seq)
-        return live
+        landed(move, self.ctx.now())
+        return True
 
 
 def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:
@@ -146,14 +189,3 @@ def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> Wor
         seed=params.seed,
         step=seq.num_output_tokens,
     )
-
-
-def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
-    """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
-    its last token (the first comes from prefill), or since arrival before that."""
-    return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
-                   seq.batch_id, seq.token_times[-1] if seq.token_times else None)
-
-
-def now() -> float:
-    return time.perf_counter()

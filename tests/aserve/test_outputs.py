@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aserve.core import IterationRecord
 from aserve.metrics import ServerMetrics
-from aserve.outputs import Outputs
+from aserve.cores import Lifecycle
 
 
 def record(i: int) -> IterationRecord:
@@ -13,7 +13,7 @@ def record(i: int) -> IterationRecord:
 
 
 def test_traces_are_trimmed_past_the_limit() -> None:
-    outputs = Outputs(eos_token_id=2, trace_limit=10)
+    outputs = Lifecycle(None, eos_token_id=2, trace_limit=10)
     for i in range(25):
         outputs.event(f"r{i}", "arrival", float(i))
         outputs.iteration(record(i))
@@ -23,7 +23,7 @@ def test_traces_are_trimmed_past_the_limit() -> None:
 
 
 def test_metrics_observe_each_iteration_once_across_trims() -> None:
-    outputs = Outputs(eos_token_id=2, trace_limit=10)
+    outputs = Lifecycle(None, eos_token_id=2, trace_limit=10)
     metrics = ServerMetrics()
     stats = {"running": 0, "waiting": 0, "kv": {}}
     for i in range(37):

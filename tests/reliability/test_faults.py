@@ -6,7 +6,7 @@ and a dead actor makes /health answer 503 (and new requests 503) instead of hang
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aserve import Engine, SamplingParams
 from aserve.config import ServerConfig
 from aserve.core import RequestOutput, Sequence
+from aserve.cores import Move
 from aserve.server import ENGINE, create_app
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, make_prompts
@@ -79,35 +80,42 @@ async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str) -
     assert_only_victims_failed(outs, {"victim"}, "injected forward failure")
 
 
-Move = Callable[[Sequence, str], Awaitable[bool]]
 Inject = Callable[[Sequence, str], None]
 
 
-def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject) -> list[str]:
-    """Wraps `kv.move` so that `inject` arms a fault for the first move from a store named
-    `path[0]*` to one named `path[1]*`; returns the list that receives the victim's id."""
+def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject,
+                    when: str = "copy") -> list[str]:
+    """Wraps `kv.copy` (or `kv.reserve`, for `when="reserve"`) so that `inject` arms a fault
+    for the first move from a store named `path[0]*` to one named `path[1]*`; returns the
+    list that receives the victim's id."""
     kv = engine.ctx.kv  # type: ignore[union-attr]
-    original: Move = kv.move
+    original = getattr(kv, when)
     victims: list[str] = []
 
-    async def move(seq: Sequence, dst_name: str) -> bool:
-        src_name = seq.location
-        if src_name.startswith(path[0]) and dst_name.startswith(path[1]) and not victims:
+    def arm(seq: Sequence, dst_name: str) -> None:
+        if seq.location.startswith(path[0]) and dst_name.startswith(path[1]) and not victims:
             victims.append(seq.seq_id)
             inject(seq, dst_name)
-        return await original(seq, dst_name)
 
-    kv.move = move  # type: ignore[method-assign]
+    def reserve(seq: Sequence, dst_name: str) -> object:
+        arm(seq, dst_name)
+        return original(seq, dst_name)
+
+    async def copy(move: Move, clock: object) -> None:
+        arm(move.seq, move.dst)
+        await original(move, clock)
+
+    setattr(kv, when, reserve if when == "reserve" else copy)
     return victims
 
 
 async def run_with_fault(path: tuple[str, str], make_inject: Callable[[Engine], Inject],
                          message: str, max_tokens: int = PARAMS.max_tokens,
-                         **config: object) -> None:
+                         when: str = "copy", **config: object) -> None:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     async with Engine(make_config(policy="aligned", **config)) as engine:
         ledger = BlockLedger(engine)
-        victims = fail_first_move(engine, path, make_inject(engine))
+        victims = fail_first_move(engine, path, make_inject(engine), when)
         tasks = {f"r{i}": start(engine, f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
         outs = await finish_all(engine, tasks, ledger)
     assert len(victims) == 1
@@ -157,7 +165,8 @@ def host_refusal(engine: Engine) -> Inject:
 
 
 async def test_host_pool_refusing_an_allocation_fails_only_its_request() -> None:
-    await run_with_fault(("prefill", "host"), host_refusal, "host pool refused")
+    await run_with_fault(("prefill", "host"), host_refusal, "host pool refused",
+                         when="reserve")
 
 
 # -- a dead actor --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim.calibrate import (
+from sim.calibrate import (
     Calibration,
     calibrate,
     fit,
@@ -17,8 +17,8 @@ from bench.sim.calibrate import (
     record_lengths,
     save_calibration,
 )
-from bench.sim.cost import CostModel, CostParams, KernelKind, get_geometry
-from bench.sim.hardware import get_hardware
+from sim.cost import CostModel, CostParams, KernelKind, get_geometry
+from sim.hardware import get_hardware
 
 TRUE = CostParams(step_overhead=3e-3, per_seq_overhead=2e-4, bw_efficiency=0.4,
                   flops_efficiency=0.3, imbalance_scale=0.7)

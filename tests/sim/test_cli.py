@@ -1,4 +1,4 @@
-"""`aserve sim` end to end through bench.sim_cli.main: run, calibrate, validate."""
+"""`aserve sim` end to end through sim.cli.main: run, calibrate, validate."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim.cluster import ClusterConfig
-from bench.sim.validate import (
+from sim.cluster import ClusterConfig
+from sim.validate import (
     ValidationRow,
     cluster_for_bench,
     cluster_from_header,
     policy_of,
     validate,
 )
-from bench.sim_cli import main
+from sim.cli import main
 from bench.workloads import synthetic
 
 RUN = ["--workload", "synthetic", "--num-requests", "60", "--rate", "50", "--model",

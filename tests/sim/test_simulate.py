@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from bench.metrics import request_metrics
-from bench.sim import (
+from sim import (
     ClusterConfig,
     CostModel,
     CostParams,
@@ -19,7 +19,7 @@ from bench.sim import (
     get_hardware,
     simulate,
 )
-from bench.sim.hardware import Hardware
+from sim.hardware import Hardware
 from bench.workloads import Workload, WorkloadRequest, synthetic
 
 SYSTEMS = ("aligned", "aligned-noprefetch", "aligned-loose", "fcfs", "continuous")

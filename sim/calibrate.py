@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.sim.cost import KERNELS, CostModel, CostParams, Features, KernelKind, get_geometry
-from bench.sim.hardware import get_hardware
+from sim.cost import KERNELS, CostModel, CostParams, Features, KernelKind, get_geometry
+from sim.hardware import get_hardware
 
 Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -10,11 +10,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from bench.sim.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
-from bench.sim.cluster import ClusterConfig
-from bench.sim.cost import CostModel, KernelKind, get_geometry
-from bench.sim.hardware import get_hardware
-from bench.sim.run import simulate
+from sim.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
+from sim.cluster import ClusterConfig
+from sim.cost import CostModel, KernelKind, get_geometry
+from sim.hardware import get_hardware
+from sim.run import simulate
 from bench.workloads import Workload
 
 METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
@@ -96,7 +96,7 @@ def validate(header: Mapping[str, object], records: Sequence[Record],
     """Predicts every measured system on `workload` and prints a markdown table.
 
     Args:
-        header, records: the calibration run (see `bench.sim.calibrate.load_records`).
+        header, records: the calibration run (see `sim.calibrate.load_records`).
         measured: result rows of the run to predict ("system" plus Summary fields).
         workload: the workload that run replayed (same requests, same arrivals).
         config: the engine's cluster; by default read from the header.

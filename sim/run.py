@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
 
-from aserve.core import Event, IterationRecord
+from aserve.core import Event, IterationRecord, Request, SamplingParams, TransferRecord
+from aserve.core import Sequence as SeqState
 from bench.metrics import Summary, summarize
-from bench.sim.cluster import ClusterConfig, SimContext
-from bench.sim.colocated import ColocatedInstance
-from bench.sim.cost import CostModel
-from bench.sim.decode import DecodeInstance
-from bench.sim.loop import Recorder, SimSeq
-from bench.sim.pool import Batcher, Pool
-from bench.sim.prefill import PrefillInstance
 from bench.workloads import Workload
 from scheduler import get_policy
+from sim.cluster import ClusterConfig
+from sim.cost import CostModel
+from sim.drivers import (
+    Batcher,
+    ColocatedInstance,
+    DecodeInstance,
+    PrefillInstance,
+    SimContext,
+    SimWiring,
+)
 
 MIN_TREE_RANGE = 2048  # quad-tree range floor: OPT's position table (tokens)
 
@@ -41,6 +44,7 @@ class SimResult:
     num_loop_events: int
     device_busy: dict[str, float] = field(default_factory=dict)  # simulated compute seconds
     blocks_left: dict[str, int] = field(default_factory=dict)  # in use at the end, per kind
+    transfers: list[TransferRecord] = field(default_factory=list)  # every KV move
 
     def summary(self, ttft_target: float = math.inf, tpot_target: float = math.inf) -> Summary:
         return summarize(self.system, self.events, self.iterations, ttft_target, tpot_target)
@@ -78,8 +82,9 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
 
 
 def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostModel,
-             record_tokens: bool = True) -> SimResult:
-    """Replays `workload` through the registered policy `system` on the simulated cluster.
+             record_tokens: bool = True, aborts: Mapping[str, float] | None = None) -> SimResult:
+    """Replays `workload` through the registered policy `system` on the simulated cluster;
+    `aborts` ends the named requests at the given times, as `Engine.abort` would.
 
     Raises:
         ValueError: for an unknown policy or a request that cannot fit (see check_fits).
@@ -89,53 +94,50 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     policy = get_policy(system, config.policy_config(_pow4_at_least(max(MIN_TREE_RANGE,
                                                                           longest + 1))))
     check_fits(workload, config, policy.uses_pool, policy.uses_staging)
-    ctx = SimContext(config, cost, policy, recorder=Recorder(record_tokens))
-    entry = _build_disaggregated(ctx) if policy.uses_pool else _build_colocated(ctx)
+    ctx = SimContext(config, cost, policy, record_tokens)
+    wiring = SimWiring()
+    entry: list[PrefillInstance] | list[ColocatedInstance]
+    if policy.uses_pool:
+        entry = wiring.prefills = [PrefillInstance(ctx, i, wiring)
+                                   for i in range(len(config.prefill_devices))]
+        wiring.batcher = Batcher(ctx, wiring)
+        wiring.decodes = [DecodeInstance(ctx, j, wiring)
+                          for j in range(len(config.decode_devices))]
+        for decode in wiring.decodes:
+            decode.core.ask_for_batch()
+    else:
+        entry = [ColocatedInstance(ctx, k) for k in range(len(config.colocated_devices))]
     for req in workload.requests:
-        seq = SimSeq(req.request_id, req.prompt_len, req.output_len, req.arrival_time)
-        ctx.loop.at(req.arrival_time, partial(_arrive, ctx, entry, seq))
+        request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
+                          sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+                          arrival_time=req.arrival_time)
+        ctx.loop.at(req.arrival_time, partial(_arrive, ctx, entry, request))
+    actors = [*entry, *([wiring.batcher] if wiring.batcher else [])]
+    for seq_id, at in (aborts or {}).items():
+        ctx.loop.at(at, partial(_abort, ctx, actors, seq_id))
     ctx.loop.run()
     return SimResult(
-        system=system, events=ctx.recorder.events, iterations=ctx.recorder.iterations,
-        num_requests=workload.num_requests, num_finished=ctx.recorder.num_finished,
+        system=system, events=ctx.life.events, iterations=ctx.life.iterations,
+        num_requests=workload.num_requests, num_finished=ctx.life.num_finished,
         end_time=ctx.loop.now, wall_time=time.perf_counter() - began,
         policy_time=ctx.policy_time, num_loop_events=ctx.loop.num_events,
         device_busy={name: dev.busy_time for name, dev in ctx.devices.items()},
-        blocks_left=ctx.stores.used(),
+        blocks_left=ctx.kv.blocks_used(), transfers=ctx.kv.transfers,
     )
 
 
-class Entry(Protocol):
-    """Where requests enter: a prefill instance, or a colocated one."""
-
-    num_waiting_tokens: int
-
-    def submit(self, seq: SimSeq, front: bool = False) -> None: ...
-
-
-def _arrive(ctx: SimContext, entry: Sequence[Entry], seq: SimSeq) -> None:
+def _arrive(ctx: SimContext, entry: Sequence[PrefillInstance | ColocatedInstance],
+            request: Request) -> None:
     """Admission: the instance with the fewest waiting tokens takes the request."""
-    ctx.recorder.event(seq, "arrival", seq.arrival_time)
-    target = min(entry, key=lambda instance: instance.num_waiting_tokens)
-    target.submit(seq)
+    ctx.life.event(request.request_id, "arrival", request.arrival_time)
+    target = min(entry, key=lambda instance: instance.core.num_waiting_tokens)
+    target.core.submit(SeqState.from_request(request))
+    target.wake()
 
 
-def _build_disaggregated(ctx: SimContext) -> list[PrefillInstance]:
-    pool = Pool(ctx)
-    batcher = Batcher(ctx, pool)
-    pool.batcher = batcher
-    prefills = [PrefillInstance(ctx, i, pool) for i in range(len(ctx.config.prefill_devices))]
-    pool.prefills = prefills
-    decodes = [DecodeInstance(ctx, j, pool, batcher, prefills)
-               for j in range(len(ctx.config.decode_devices))]
-    batcher.staging = [d.staging for d in decodes]
-    batcher.deliver_batch = [d.receive_batch for d in decodes]
-    batcher.deliver_requests = [d.receive_requests for d in decodes]
-    for decode in decodes:
-        decode.ask_for_batch()
-    return prefills
-
-
-def _build_colocated(ctx: SimContext) -> list[ColocatedInstance]:
-    return [ColocatedInstance(ctx, k, device)
-            for k, device in enumerate(ctx.config.colocated_devices)]
+def _abort(ctx: SimContext, actors: Sequence[PrefillInstance | ColocatedInstance | Batcher],
+           seq_id: str) -> None:
+    """`Engine.abort`: idle holders end the request now, the others at their next step."""
+    ctx.life.abort(seq_id)
+    for actor in actors:
+        actor.core.reap(ctx.loop.now)

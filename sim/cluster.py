@@ -1,15 +1,15 @@
-"""The simulated cluster: its topology and capacities (`ClusterConfig`), and the state every
-simulated actor shares (`SimContext`). Defaults mirror aserve.config's engine defaults.
+"""The simulated cluster: its topology and capacities (`ClusterConfig`), sized from
+hardware (`cluster_for`). Defaults mirror aserve.config's engine defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from bench.sim.cost import CostModel, ModelGeometry
-from bench.sim.hardware import Hardware
-from bench.sim.loop import Device, EventLoop, Link, Recorder, Store, Stores
-from scheduler import Policy, PolicyConfig
+from sim.cost import CostModel, ModelGeometry
+from sim.hardware import Hardware
+from aserve.config import EngineConfig
+from scheduler import PolicyConfig
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch
@@ -53,6 +53,21 @@ class ClusterConfig:
         """Devices of the `continuous` baseline: every distinct device, one instance each."""
         return tuple(dict.fromkeys((*self.prefill_devices, *self.decode_devices)))
 
+    @classmethod
+    def from_engine(cls, config: EngineConfig, num_host_blocks: int) -> ClusterConfig:
+        """The cluster an engine config describes (its host pool, sized in bytes there, in
+        blocks here)."""
+        cache, sched = config.cache, config.scheduler
+        return cls(prefill_devices=config.prefill_devices, decode_devices=config.decode_devices,
+                   block_size=cache.block_size, num_decode_blocks=cache.num_decode_blocks,
+                   num_prefill_blocks=cache.num_prefill_blocks,
+                   num_staging_blocks=cache.num_staging_blocks, num_host_blocks=num_host_blocks,
+                   max_prefill_tokens=sched.max_prefill_tokens,
+                   max_batch_size=sched.max_batch_size, min_requests=sched.min_requests,
+                   leaf_width=sched.leaf_width, batch_kv_fraction=sched.batch_kv_fraction,
+                   starvation_threshold=sched.starvation_threshold,
+                   max_spread=sched.max_spread, drain_floor=sched.drain_floor)
+
     def policy_config(self, max_len: int) -> PolicyConfig:
         return PolicyConfig(min_requests=self.min_requests, leaf_width=self.leaf_width,
                             max_len=max_len, starvation_threshold=self.starvation_threshold,
@@ -85,51 +100,3 @@ def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, n
         num_host_blocks=int(hardware.host_memory_bytes * MEMORY_UTILIZATION // block_bytes),
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
-
-
-@dataclass
-class SimContext:
-    """What the simulated actors of one run share."""
-
-    config: ClusterConfig
-    cost: CostModel
-    policy: Policy
-    loop: EventLoop = field(default_factory=EventLoop)
-    recorder: Recorder = field(default_factory=Recorder)
-    stores: Stores = field(init=False)
-    devices: dict[str, Device] = field(default_factory=dict)
-    links: dict[str, Link] = field(default_factory=dict)
-    policy_time: float = 0.0  # real seconds spent inside policy calls (not simulated)
-
-    def __post_init__(self) -> None:
-        self.stores = Stores(self.config.block_size)
-
-    def device(self, name: str) -> Device:
-        if name not in self.devices:
-            self.devices[name] = Device(name)
-        return self.devices[name]
-
-    def link(self, name: str, bandwidth: float, device: str = "") -> Link:
-        """The link `name`; on a CPU (`not hardware.is_gpu`) its copies occupy `device`'s
-        compute timeline, as the engine runs CPU-to-CPU copies in the device's thread."""
-        if name not in self.links:
-            on = self.device(device) if device and not self.cost.hardware.is_gpu else None
-            self.links[name] = Link(name, bandwidth, on)
-        return self.links[name]
-
-    def host_link(self, device: str, direction: str) -> Link:
-        """`direction` is "h2d" or "d2h"; one PCIe link per device."""
-        return self.link(f"{device}.{direction}", self.cost.hardware.host_link_bandwidth, device)
-
-    def peer_link(self, src: str, dst: str) -> Link:
-        """Device-to-device copies (NVLink); a plain memcpy when both are one device."""
-        hw = self.cost.hardware
-        bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        return self.link(f"{src}->{dst}", bandwidth, src)
-
-    def copy(self, link: Link, start: float, num_blocks: int) -> float:
-        """Moves `num_blocks` KV blocks over `link` from `start`; returns the arrival time."""
-        return link.transfer(start, self.cost.kv_bytes(num_blocks, self.config.block_size))
-
-    def store(self, name: str, kind: str, num_blocks: int) -> Store:
-        return self.stores.add(name, kind, num_blocks)

@@ -1,4 +1,4 @@
-"""`aserve sim`: simulate policies at paper scale on the cost model (bench/sim/).
+"""`aserve sim`: simulate policies at paper scale on the cost model (sim/).
 
     aserve sim [run] --workload azure-code --model opt-13b --hardware h100 --prefill 2
         --decode 6 --systems aligned,fcfs,continuous --kernel per-seq,split-k --json OUT
@@ -25,7 +25,7 @@ from bench.report import (
     plot_workload_comparison,
     write_json,
 )
-from bench.sim.calibrate import (
+from sim.calibrate import (
     ATTENTION_KERNELS,
     DTYPE_BYTES,
     fit,
@@ -33,11 +33,11 @@ from bench.sim.calibrate import (
     load_records,
     save_calibration,
 )
-from bench.sim.cluster import ClusterConfig, cluster_for
-from bench.sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
-from bench.sim.hardware import get_hardware
-from bench.sim.run import SimResult, simulate
-from bench.sim.validate import validate
+from sim.cluster import ClusterConfig, cluster_for
+from sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
+from sim.hardware import get_hardware
+from sim.run import SimResult, simulate
+from sim.validate import validate
 from bench.workloads import Workload, load_workload
 from scheduler import PolicyConfig
 

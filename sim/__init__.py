@@ -5,7 +5,7 @@ engine; it emits the engine's lifecycle events and iteration records.
 
 from __future__ import annotations
 
-from bench.sim.calibrate import (
+from sim.calibrate import (
     Calibration,
     calibrate,
     fit,
@@ -13,8 +13,8 @@ from bench.sim.calibrate import (
     load_records,
     save_calibration,
 )
-from bench.sim.cluster import ClusterConfig, cluster_for
-from bench.sim.cost import (
+from sim.cluster import ClusterConfig, cluster_for
+from sim.cost import (
     GEOMETRIES,
     KERNELS,
     CostModel,
@@ -23,8 +23,8 @@ from bench.sim.cost import (
     ModelGeometry,
     get_geometry,
 )
-from bench.sim.hardware import HARDWARE, Hardware, get_hardware
-from bench.sim.run import SimResult, simulate
+from sim.hardware import HARDWARE, Hardware, get_hardware
+from sim.run import SimResult, simulate
 
 __all__ = [
     "GEOMETRIES",

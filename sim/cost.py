@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from bench.sim.hardware import Hardware
+from sim.hardware import Hardware
 
 KernelKind = Literal["split-k", "per-seq", "padded"]
 KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "padded")

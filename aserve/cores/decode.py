@@ -1,0 +1,244 @@
+"""DecodeCore: one decode instance. At every iteration boundary it applies the policy's
+batch-level scheduling (release, evict, return to the pool, refill from candidate
+requests, switch batches) as KV moves; then it names the seqs of the next iteration.
+
+A driver runs: `boundary` -> carry out its moves (`landed` / `failed` each) -> `settled`,
+which returns the admissions' moves once the evictions have freed their room (carry out,
+`settled` again until it returns none) -> `forward` -> run it -> `finish`.
+"""
+
+from __future__ import annotations
+
+from aserve.core import IterationRecord, SeqStatus, Sequence
+from aserve.cores.base import Forward, Move, Window, Wiring, seq_view
+from aserve.cores.kv import BlockLedger
+from aserve.cores.lifecycle import Lifecycle
+from scheduler import BoundaryPlan, BoundaryView, Policy
+
+
+class DecodeCore:
+    """The running batch and its two candidate buffers."""
+
+    def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
+                 wiring: Wiring, max_batch_size: int) -> None:
+        self.index, self.name, self.staging = index, f"decode{index}", f"staging{index}"
+        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
+        self.max_batch_size = max_batch_size
+        self.running: list[Sequence] = []
+        self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
+        self.cand_batch: list[Sequence] = []
+        self.cand_batch_id = self.current_batch_id = -1
+        self.want_sent = False
+        self.window: tuple[int, int] | None = None
+        self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
+        self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.running or self.cand_requests or self.cand_batch)
+
+    def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
+        """Staged seqs from the batcher: the next candidate batch, or candidate requests
+        when `batch_id` < 0."""
+        if batch_id < 0:
+            self.cand_requests.extend(seqs)
+            return
+        assert not self.cand_batch, f"{self.name} got a batch while holding one"
+        self.cand_batch, self.cand_batch_id = seqs, batch_id
+        self.want_sent = False
+
+    def ask_for_batch(self) -> None:
+        if not self.cand_batch and not self.want_sent:
+            self.want_sent = True
+            self.wiring.want_batch(self.index)
+
+    # -- the boundary ------------------------------------------------------------------
+    def boundary(self, now: float) -> list[Move]:
+        """Releases ended seqs and applies the policy's plan; returns the KV moves out of the
+        running batch (evictions, returns to the pool), in order. The admissions follow
+        from `settled`, once these moves have freed their decode blocks."""
+        self.running = self.life.reap(self.running, now)
+        self.cand_requests = self.life.reap(self.cand_requests, now)
+        self.cand_batch = self.life.reap(self.cand_batch, now)
+        plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
+        by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
+        moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
+        moves += [m for i in plan.to_pool if (m := self._to_pool(by_id[i], now))]
+        self._admissions = plan
+        return moves
+
+    def _needs_plan(self) -> bool:
+        """Whether the policy has anything to decide at this boundary.
+
+        NOTE: with both candidate buffers empty and the next step's growth fitting the free
+        blocks, every built-in policy plans nothing (scheduler.batching.plan_boundary_with);
+        skipping the call keeps long decode runs cheap and changes no decision.
+        """
+        if self.cand_requests or self.cand_batch:
+            return True
+        growth = sum(1 for s in self.running
+                     if self.kv.blocks_for(s.num_tokens) > self.kv.blocks_for(
+                         s.num_computed_tokens))
+        return growth > self.kv.free_blocks(self.name)
+
+    def view(self, now: float) -> BoundaryView:
+        def views(seqs: list[Sequence]) -> tuple:  # type: ignore[type-arg]
+            return tuple(seq_view(s, self.kv.blocks_for(s.num_computed_tokens)) for s in seqs)
+
+        return BoundaryView(
+            running=views(self.running), free_blocks=self.kv.free_blocks(self.name),
+            block_size=self.kv.block_size, max_batch_size=self.max_batch_size,
+            candidate_requests=views(self.cand_requests),
+            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
+            now=now)
+
+    def _evict(self, seq: Sequence, now: float) -> list[Move]:
+        """Running -> candidate requests buffer, else host pool, else recompute later."""
+        self.running.remove(seq)
+        self.life.event(seq.seq_id, "evicted", now)
+        move = self.life.reserve(seq, self.staging, at=now)
+        if move is None and not seq.is_finished:
+            move = self.life.reserve(seq, "host", at=now)
+        if move is not None or seq.is_finished:
+            return [] if move is None else [move]
+        self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
+        seq.num_computed_tokens = 0
+        self.wiring.recompute(seq)
+        return []
+
+    def _to_pool(self, seq: Sequence, now: float) -> Move | None:
+        """A running seq or a candidate request -> host pool, to be batched again. If the
+        pool has no room it stays where it is."""
+        if seq.location == "host":  # a candidate request that was never staged
+            self.cand_requests.remove(seq)
+            seq.status = SeqStatus.POOLED
+            self.wiring.pooled(seq)
+            return None
+        move = self.life.reserve(seq, "host", at=now)
+        if move is None and not seq.is_finished:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+            self.life.event(seq.seq_id, "evicted", now)
+        else:
+            self.cand_requests.remove(seq)
+        return move
+
+    def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
+               now: float) -> list[Move]:
+        """Candidate buffer -> decode cache (from staging over the device link, or from
+        the host pool for seqs that were never staged)."""
+        by_id = {seq.seq_id: seq for seq in buffer}
+        moves = []
+        for seq_id in seq_ids:
+            seq = by_id[seq_id]
+            move = self.life.reserve(seq, self.name, at=now)
+            if move is None and not seq.is_finished:
+                continue  # no room after all; it stays in its buffer
+            buffer.remove(seq)
+            if move is None:
+                continue
+            if seq.batch_id < 0:
+                seq.batch_id = self.current_batch_id
+            self.running.append(seq)
+            moves.append(move)
+        return moves
+
+    def landed(self, move: Move, now: float) -> None:
+        seq = move.seq
+        self._freed.add(move.src)
+        if move.dst == self.name:
+            if seq.status < SeqStatus.DECODING:
+                self.life.event(seq.seq_id, "decode_start", now)
+            seq.status = SeqStatus.DECODING
+        elif move.dst == self.staging:
+            seq.status = SeqStatus.STAGED
+            self.cand_requests.append(seq)
+        else:
+            seq.status = SeqStatus.POOLED
+            self.wiring.pooled(seq)
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        """A boundary copy failed: that seq alone ends with an error."""
+        if move.seq in self.running:
+            self.running.remove(move.seq)
+        self.life.fail_move(move, error, at=now)
+
+    def settled(self, now: float) -> list[Move]:
+        """The moves so far have landed: returns the planned admissions' moves (once), or
+        [] when the boundary is done, telling whom the freed room concerns."""
+        plan, self._admissions = self._admissions, None
+        if plan is not None:
+            if plan.admit_batch:
+                self.current_batch_id = self.cand_batch_id
+            moves = self._admit(plan.admit_requests, self.cand_requests, now)
+            moves += self._admit(plan.admit_batch, self.cand_batch, now)
+            if not self.cand_batch:
+                self.ask_for_batch()
+            if moves:
+                return moves
+        if "host" in self._freed:
+            self.wiring.pool_space()
+        if self.staging in self._freed:
+            self.wiring.staging_space(self.index)
+        self._freed.clear()
+        return []
+
+    # -- the iteration -------------------------------------------------------------------
+    def forward(self, now: float) -> Forward | list[Move]:
+        """The next iteration: every running seq whose KV can grow. If none can, evicts the
+        longest running seq (moves to carry out, then a new boundary) or, with none
+        running, returns [] (wait for the batcher)."""
+        runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
+        if not runnable:
+            if not self.running:
+                return []
+            return self._evict(max(self.running, key=lambda s: s.num_tokens), now)
+        self._report_window(runnable)
+        return Forward(self.name, runnable,
+                       [s.num_tokens - s.num_computed_tokens for s in runnable], now)
+
+    def _report_window(self, runnable: list[Sequence]) -> None:
+        """Tells the batcher the length window of pool requests that could join the running
+        batch (the policy's ``prefetch_basis`` and ``prefetch_window``) when it changes."""
+        if not self.policy.uses_dynamic_prefetch:
+            return
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        lengths = self.policy.prefetch_basis(current, [s.num_tokens for s in runnable])
+        if not lengths:
+            return
+        window = self.policy.prefetch_window(lengths)
+        if window != self.window:
+            self.window = window
+            # NOTE: room net of what the candidate requests buffer already holds: matching
+            # requests beyond what the batch can take would drain the pool into staging,
+            # and the next batch would then be chosen from what little is left there.
+            held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
+            slots = self.max_batch_size - len(self.running) - len(self.cand_requests)
+            self.wiring.report_window(self.index, Window(
+                *window, self.kv.free_blocks(self.name) - held, slots))
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> None:
+        """The iteration ran: one token per seq; finished seqs leave the batch."""
+        lengths = step.lengths
+        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
+            assert token_id is not None, "every decode item samples"
+            seq.num_computed_tokens = seq.num_tokens
+            if not seq.is_finished:
+                self.life.append_token(seq, token_id, logprob, now)
+        self.life.iteration(IterationRecord(
+            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
+            num_prefill_tokens=0, min_len=min(lengths), max_len=max(lengths),
+            forward_time=forward_time, schedule_time=schedule_time,
+            is_mixed=len({s.batch_id == self.current_batch_id for s in step.seqs}) > 1,
+            blocks_used=self.kv.blocks_used()))
+        self.running = [s for s in self.running if not s.is_finished]
+
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass failed: the running batch ends with an error; the candidate
+        buffers survive."""
+        for seq in self.running:
+            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.running = []

@@ -1,0 +1,126 @@
+"""The simulator's machinery: a heapq event loop, simulated actors, links and devices.
+
+Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
+`scheduler/`), no costs (that is `sim.cost`). Events at the same time run in the order they
+were scheduled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+Callback = Callable[[], None]
+
+
+class EventLoop:
+    """A simulated clock and a heap of callbacks ordered by (time, scheduling order)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0  # simulated seconds
+        self.num_events = 0  # callbacks run so far
+        self._heap: list[tuple[float, int, Callback]] = []
+        self._counter = itertools.count()
+
+    def at(self, time: float, callback: Callback) -> None:
+        """Runs `callback` at `time`. Raises ValueError for a time in the past."""
+        if time < self.now:
+            raise ValueError(f"time ({time}) must be >= now ({self.now})")
+        heapq.heappush(self._heap, (time, next(self._counter), callback))
+
+    def soon(self, callback: Callback) -> None:
+        """Runs `callback` at the current time, after what is already due now."""
+        self.at(self.now, callback)
+
+    def run(self, until: float = float("inf")) -> None:
+        """Runs callbacks in order until the heap is empty or the next is after `until`."""
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            time, _, callback = heapq.heappop(heap)
+            self.now = time
+            self.num_events += 1
+            callback()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class SimActor:
+    """An actor on the simulated clock: `wake()` is a message arriving, `act()` its handler.
+
+    A woken actor acts once the current callback ends, unless it is busy; a busy actor acts
+    again when its work is done (`finish_at`, or its own completion callback).
+    """
+
+    def __init__(self, loop: EventLoop) -> None:
+        self.loop = loop
+        self.is_busy = False
+        self._is_woken = False
+
+    def wake(self) -> None:
+        if not self._is_woken and not self.is_busy:
+            self._is_woken = True
+            self.loop.soon(self._on_wake)
+
+    def act(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement act()")
+
+    def finish_at(self, time: float) -> None:
+        """Busy until `time`, then act again."""
+        self.is_busy = True
+        self.loop.at(time, self._on_finish)
+
+    def _on_wake(self) -> None:
+        self._is_woken = False
+        if not self.is_busy:
+            self.act()
+
+    def _on_finish(self) -> None:
+        self.is_busy = False
+        self.act()
+
+
+class Link:
+    """One direction of one link: transfers queue behind each other (FIFO).
+
+    With `device`, the copies run on that device's compute timeline instead (the engine on
+    a CPU copies between CPU stores in the device's worker thread, between its forwards).
+    """
+
+    __slots__ = ("name", "bandwidth", "busy_until", "num_bytes", "device")
+
+    def __init__(self, name: str, bandwidth: float, device: Device | None = None) -> None:
+        if not bandwidth > 0:
+            raise ValueError(f"bandwidth ({bandwidth}) of link {name!r} must be > 0")
+        self.name, self.bandwidth, self.device = name, bandwidth, device
+        self.busy_until = 0.0
+        self.num_bytes = 0.0  # moved so far
+
+    def transfer(self, start: float, num_bytes: float) -> float:
+        """Queues `num_bytes` no earlier than `start`; returns when they have arrived."""
+        self.num_bytes += num_bytes
+        if self.device is not None:
+            self.busy_until = self.device.run(start, num_bytes / self.bandwidth)[1]
+            return self.busy_until
+        begin = max(start, self.busy_until)
+        self.busy_until = begin + num_bytes / self.bandwidth
+        return self.busy_until
+
+
+class Device:
+    """A compute timeline: instances on one device run their steps one after another."""
+
+    __slots__ = ("name", "busy_until", "busy_time")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy_until = 0.0
+        self.busy_time = 0.0  # seconds of compute so far
+
+    def run(self, start: float, duration: float) -> tuple[float, float]:
+        """Books `duration` seconds no earlier than `start`; returns (begin, end)."""
+        begin = max(start, self.busy_until)
+        self.busy_until = begin + duration
+        self.busy_time += duration
+        return begin, self.busy_until

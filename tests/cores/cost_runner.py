@@ -1,0 +1,51 @@
+"""CostRunner: a ModelRunner stand-in for the engine driver whose steps take the cost
+model's time (sim/cost.py) on a simulated device timeline and sample token 0. With a
+virtual-clock event loop it lets the engine run the simulator's workload, decision for
+decision, without a model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from aserve.config import ModelConfig
+from aserve.runner import StepResult, WorkItem
+from models.opt import OPTConfig
+from sim.cost import CostModel
+from sim.loop import Device
+
+
+class CostRunner:
+    """One device: forward passes booked on `device` for the cost model's time."""
+
+    def __init__(self, cost: CostModel, device: Device, model: str) -> None:
+        self.cost, self.device = cost, device
+        self.model_config = OPTConfig.from_name(model)
+        self.executor = ThreadPoolExecutor(max_workers=1)
+
+    @classmethod
+    def factory(cls, cost: CostModel,
+                device: Callable[[str], Device]) -> Callable[..., CostRunner]:
+        """`Engine(runner_factory=...)`: one CostRunner per device, on `device(name)`."""
+        def make(config: ModelConfig, dev: torch.device, block_size: int) -> CostRunner:
+            return cls(cost, device(str(dev)), config.model)
+        return make
+
+    async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:
+        """Decode items (one new token after a cached prefix) cost as decode, the others as
+        prefill chunks; the step waits for the device like the simulator's."""
+        decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
+        chunks = [(i.start, len(i.token_ids)) for i in items
+                  if not (i.start > 0 and len(i.token_ids) == 1)]
+        duration = self.cost.iteration_time(decode, chunks)
+        loop = asyncio.get_running_loop()
+        end = self.device.run(loop.time(), duration)[1]
+        await asyncio.sleep(end - loop.time())
+        return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
+                          duration)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

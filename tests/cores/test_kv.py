@@ -1,0 +1,51 @@
+"""The block ledger both drivers share: a move reserves its destination, and the source is
+freed only when the copy lands (or the destination when it fails)."""
+
+from __future__ import annotations
+
+from aserve.core import Request, SamplingParams, Sequence
+from aserve.cores import BlockLedger
+from transport.blocks import BlockAllocator
+
+
+def ledger(**sizes: int) -> BlockLedger:
+    return BlockLedger({n: BlockAllocator(k, 4, n) for n, k in sizes.items()}, block_size=4)
+
+
+def seq(num_tokens: int) -> Sequence:
+    request = Request(request_id="a", prompt_token_ids=(1,) * num_tokens,
+                      sampling=SamplingParams(), arrival_time=0.0)
+    s = Sequence.from_request(request)
+    s.num_computed_tokens = num_tokens
+    return s
+
+
+def test_a_move_holds_both_stores_until_it_lands() -> None:
+    kv = ledger(host=10, decode0=3)
+    s = seq(9)
+    assert kv.allocate(s, "host", 9) and kv.free_blocks("host") == 7
+    move = kv.reserve(s, "decode0")
+    assert move is not None and move.num_blocks == 3
+    assert (kv.free_blocks("host"), kv.free_blocks("decode0"), s.location) == (7, 0, "host")
+    src, dst = kv.tables(move)
+    assert len(src) == len(dst) == 3
+    kv.commit(move, 1.0, 2.0)
+    assert (kv.free_blocks("host"), kv.free_blocks("decode0"), s.location) == (10, 0, "decode0")
+    assert not kv.grow(s, 13) and kv.grow(s, 12)  # a 4th block does not fit; 12 tokens do
+    assert [(t.src, t.dst, t.num_blocks) for t in kv.transfers] == [("host", "decode0", 3)]
+    kv.release(s)
+    assert kv.blocks_used() == {"prefill": 0, "staging": 0, "host": 0, "decode": 0}
+    kv.check_integrity()
+
+
+def test_a_full_destination_or_a_failed_copy_changes_nothing() -> None:
+    kv = ledger(host=10, decode0=1)
+    s = seq(8)
+    kv.allocate(s, "host", 8)
+    assert kv.reserve(s, "decode0") is None
+    kv2 = ledger(host=10, decode0=4)
+    kv2.allocate(s2 := seq(8), "host", 8)
+    move = kv2.reserve(s2, "decode0")
+    assert move is not None
+    kv2.cancel(move)
+    assert (kv2.free_blocks("host"), kv2.free_blocks("decode0"), s2.location) == (8, 4, "host")
