@@ -32,7 +32,7 @@ from aserve.core import (
 from aserve.cores import Lifecycle
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.kvspace import KVSpace
-from aserve.messages import Abort, Submit
+from aserve.messages import Submit
 from aserve.runner import ModelRunner
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -270,8 +270,9 @@ class Engine:
         if request_id not in self._live or self._live[request_id].is_finished:
             return
         ctx.outputs.abort(request_id, status)
-        for actor in self.actors:
-            actor.send(Abort())
+        now = ctx.now()
+        for actor in self.actors:  # idle holders end it now, the others at their next step
+            actor.core.reap(now)  # type: ignore[attr-defined]
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

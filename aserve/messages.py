@@ -25,10 +25,6 @@ class Pooled(msgspec.Struct, frozen=True):
     seq: Sequence
 
 
-class Abort(msgspec.Struct, frozen=True):
-    """An abort was asked for: the actor ends what it holds idle and was asked to end."""
-
-
 class Wake(msgspec.Struct, frozen=True):
     """Room was freed (host pool or staging): a waiting actor may go on."""
 
@@ -57,4 +53,4 @@ class Stop(msgspec.Struct, frozen=True):
     """Ends an actor's run loop."""
 
 
-Message = Submit | Pooled | Abort | Wake | WantBatch | RunningWindow | Deliver | Stop
+Message = Submit | Pooled | Wake | WantBatch | RunningWindow | Deliver | Stop

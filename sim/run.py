@@ -112,7 +112,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                           arrival_time=req.arrival_time)
         ctx.loop.at(req.arrival_time, partial(_arrive, ctx, entry, request))
-    actors = [*entry, *([wiring.batcher] if wiring.batcher else [])]
+    actors = [*entry, *([wiring.batcher] if wiring.batcher else []), *wiring.decodes]
     for seq_id, at in (aborts or {}).items():
         ctx.loop.at(at, partial(_abort, ctx, actors, seq_id))
     ctx.loop.run()
@@ -135,7 +135,8 @@ def _arrive(ctx: SimContext, entry: Sequence[PrefillInstance | ColocatedInstance
     target.wake()
 
 
-def _abort(ctx: SimContext, actors: Sequence[PrefillInstance | ColocatedInstance | Batcher],
+def _abort(ctx: SimContext,
+           actors: Sequence[PrefillInstance | ColocatedInstance | Batcher | DecodeInstance],
            seq_id: str) -> None:
     """`Engine.abort`: idle holders end the request now, the others at their next step."""
     ctx.life.abort(seq_id)

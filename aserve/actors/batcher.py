@@ -9,7 +9,7 @@ from functools import partial
 from aserve.actors.base import Actor, EngineContext
 from aserve.core import SeqStatus
 from aserve.cores import BatcherCore, Order, Wiring
-from aserve.messages import Abort, Message, Pooled, RunningWindow, WantBatch, Wake
+from aserve.messages import Message, Pooled, RunningWindow, WantBatch, Wake
 
 
 class BatcherActor(Actor):
@@ -26,13 +26,10 @@ class BatcherActor(Actor):
         self.order: Order | None = None  # the order being staged
 
     def send(self, message: Message) -> None:
-        """NOTE: the pool's bookkeeping (a pooled seq, an abort) is applied at once, never
-        queued behind a staging copy: an abort of a pooled request frees its host blocks
-        even while the loop waits on a copy."""
+        """NOTE: the pool's bookkeeping is applied as messages arrive, never queued behind a
+        staging copy (the loop only stages and delivers)."""
         if isinstance(message, Pooled):
             self.core.add(message.seq)
-        elif isinstance(message, Abort):
-            self.core.reap(self.ctx.now())
         elif isinstance(message, WantBatch):
             self.core.want(message.instance)
         elif isinstance(message, RunningWindow):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aserve.actors.base import Actor, EngineContext
 from aserve.cores import ColocatedCore
-from aserve.messages import Abort, Message, Submit
+from aserve.messages import Message, Submit
 from scheduler import ContinuousScheduler
 
 
@@ -28,8 +28,6 @@ class ContinuousActor(Actor):
     def receive(self, message: Message) -> None:
         if isinstance(message, Submit):
             self.core.submit(message.seq, message.front)
-        elif isinstance(message, Abort):
-            self.core.reap(self.ctx.now())
 
     async def act(self) -> None:
         start = self.ctx.now()

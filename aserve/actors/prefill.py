@@ -6,7 +6,7 @@ from __future__ import annotations
 from aserve.actors.base import Actor, EngineContext
 from aserve.core import SeqStatus
 from aserve.cores import PrefillCore, Wiring
-from aserve.messages import Abort, Message, Submit
+from aserve.messages import Message, Submit
 
 
 class PrefillActor(Actor):
@@ -27,8 +27,6 @@ class PrefillActor(Actor):
     def receive(self, message: Message) -> None:
         if isinstance(message, Submit):
             self.core.submit(message.seq, message.front)
-        elif isinstance(message, Abort):
-            self.core.reap(self.ctx.now())
 
     async def act(self) -> None:
         if not await self.offload() or not self.core.can_prefill:

@@ -47,6 +47,14 @@ class DecodeCore:
         self.cand_batch, self.cand_batch_id = seqs, batch_id
         self.want_sent = False
 
+    def reap(self, now: float) -> None:
+        """Ends the candidate seqs an abort asked to end (the running ones end at the next
+        boundary: a forward may be using their KV)."""
+        self.cand_requests = self.life.reap(self.cand_requests, now)
+        self.cand_batch = self.life.reap(self.cand_batch, now)
+        if not self.cand_batch:
+            self.ask_for_batch()
+
     def ask_for_batch(self) -> None:
         if not self.cand_batch and not self.want_sent:
             self.want_sent = True
