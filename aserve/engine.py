@@ -36,7 +36,7 @@ from aserve.messages import Submit
 from aserve.runner import ModelRunner
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from scheduler import PolicyConfig, get_policy
+from scheduler import PolicyConfig, get_policy, tree_range
 from transport.kv import KVGeometry
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,8 @@ class Engine:
                               model_config.head_dim, cfg.cache.block_size,
                               resolve_dtype(cfg.model.dtype))
         sched = cfg.scheduler
-        policy = get_policy(sched.policy, PolicyConfig(
-            min_requests=sched.min_requests, leaf_width=sched.leaf_width,
-            max_len=_pow4_at_least(model_config.max_position_embeddings),
-            starvation_threshold=sched.starvation_threshold, match_slack=sched.match_slack,
-            max_spread=sched.max_spread, drain_floor=sched.drain_floor))
+        policy = get_policy(sched.policy, PolicyConfig.of(
+            sched, tree_range(model_config.max_position_embeddings)))
         # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
         kv = await asyncio.to_thread(KVSpace, cfg, geometry,
                                      {dev: r.executor for dev, r in runners.items()})
@@ -332,13 +329,6 @@ def _output(seq: Sequence, detok: IncrementalDetokenizer, reason: str | None,
 
 def model_config_is_preset(model: str) -> bool:
     return model.startswith("opt-") and "/" not in model
-
-
-def _pow4_at_least(n: int) -> int:
-    size = 4
-    while size < n:
-        size *= 4
-    return size
 
 
 __all__ = ["Engine"]

@@ -5,7 +5,7 @@ scheduling and baseline policies. Imports no torch, no asyncio, reads no clock.
 from __future__ import annotations
 
 from scheduler.aligned import AlignedNoPrefetchPolicy, AlignedPolicy
-from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+from scheduler.batching import BoundaryPlan, BoundaryView, SeqView, ceil_div, tree_range
 from scheduler.continuous import (
     ContinuousPlan,
     ContinuousPolicy,
@@ -35,7 +35,9 @@ __all__ = [
     "QuadTree",
     "SeqView",
     "anchored_search",
+    "ceil_div",
     "density_first_search",
     "get_policy",
     "register_policy",
+    "tree_range",
 ]

@@ -63,14 +63,27 @@ class BoundaryPlan:
     to_pool: tuple[str, ...] = ()  # running or candidate requests -> host pool, to be re-batched
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (b > 0), e.g. the blocks that hold ``a`` tokens."""
+    return -(-a // b)
+
+
+def tree_range(num_tokens: int) -> int:
+    """The smallest power of 4 (>= 4) covering ``num_tokens``: a quad-tree's length range."""
+    size = 4
+    while size < num_tokens:
+        size *= 4
+    return size
+
+
 def blocks_needed(seq: SeqView, block_size: int, num_lookahead: int = 0) -> int:
     """Blocks a running seq must gain for the next step (+ ``num_lookahead`` more tokens)."""
-    return max(0, -(-(seq.length + num_lookahead) // block_size) - seq.num_blocks)
+    return max(0, ceil_div(seq.length + num_lookahead, block_size) - seq.num_blocks)
 
 
 def blocks_to_admit(seq: SeqView, block_size: int, num_lookahead: int = 0) -> int:
     """Decode blocks a staged seq occupies once admitted, growth for the next step included."""
-    return max(seq.num_blocks, -(-(seq.length + num_lookahead) // block_size))
+    return max(seq.num_blocks, ceil_div(seq.length + num_lookahead, block_size))
 
 
 def take_in_order(candidates: Iterable[tuple[str, int]], max_blocks: int,

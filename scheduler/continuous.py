@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+from scheduler.batching import BoundaryPlan, BoundaryView, SeqView, ceil_div
 from scheduler.policy import Policy, register_policy
 
 
@@ -46,7 +46,7 @@ class ContinuousScheduler:
 
     def blocks_for(self, seq: ContinuousSeq, num_new_tokens: int) -> int:
         """Blocks ``seq`` must gain to compute ``num_new_tokens`` more tokens."""
-        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        num_needed = ceil_div(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, num_needed - seq.num_blocks)
 
     def plan(self, running: Sequence[ContinuousSeq], waiting: Sequence[ContinuousSeq],

@@ -6,6 +6,7 @@ iteration boundary. Pure: time is passed in, nothing here reads a clock or does 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -28,6 +29,13 @@ class PolicyConfig:
     # longest prefix within this many times its shortest (None: the paper's looser rules)
     drain_floor: float = 0.1  # aligned with max_spread: a switch waits for the old batch to
     # drain down to this share of max_batch_size, then returns those left to the pool
+
+    @classmethod
+    def of(cls, knobs: object, max_len: int) -> PolicyConfig:
+        """The policy knobs a driver's config carries (the engine's SchedulerConfig, the
+        simulator's ClusterConfig), read by name: one construction, one validation."""
+        names = (f.name for f in dataclasses.fields(cls) if f.name != "max_len")
+        return cls(max_len=max_len, **{n: getattr(knobs, n) for n in names if hasattr(knobs, n)})
 
     def __post_init__(self) -> None:
         for name in ("min_requests", "leaf_width", "max_len"):

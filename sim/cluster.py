@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from sim.cost import CostModel, ModelGeometry
 from sim.hardware import Hardware
 from aserve.config import EngineConfig
-from scheduler import PolicyConfig
+from scheduler import PolicyConfig, ceil_div
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch
@@ -69,9 +69,7 @@ class ClusterConfig:
                    max_spread=sched.max_spread, drain_floor=sched.drain_floor)
 
     def policy_config(self, max_len: int) -> PolicyConfig:
-        return PolicyConfig(min_requests=self.min_requests, leaf_width=self.leaf_width,
-                            max_len=max_len, starvation_threshold=self.starvation_threshold,
-                            max_spread=self.max_spread, drain_floor=self.drain_floor)
+        return PolicyConfig.of(self, max_len)
 
 
 def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, num_decode: int,
@@ -91,7 +89,7 @@ def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, n
                          f"on {hardware.name} ({hardware.memory_bytes / 1e9:.0f} GB)")
     free_blocks = int(free // block_bytes)
     scratch = max(1, int(free_blocks * SCRATCH_SHARE))
-    buffers_per_device = -(-num_decode // num_prefill)
+    buffers_per_device = ceil_div(num_decode, num_prefill)
     base = ClusterConfig(
         prefill_devices=tuple(f"gpu{i}" for i in range(num_prefill)),
         decode_devices=tuple(f"gpu{num_prefill + j}" for j in range(num_decode)),

@@ -14,7 +14,7 @@ from aserve.core import Event, IterationRecord, Request, SamplingParams, Transfe
 from aserve.core import Sequence as SeqState
 from bench.metrics import Summary, summarize
 from bench.workloads import Workload
-from scheduler import get_policy
+from scheduler import ceil_div, get_policy, tree_range
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
 from sim.drivers import (
@@ -50,13 +50,6 @@ class SimResult:
         return summarize(self.system, self.events, self.iterations, ttft_target, tpot_target)
 
 
-def _pow4_at_least(n: int) -> int:
-    size = 4
-    while size < n:
-        size *= 4
-    return size
-
-
 def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
                uses_staging: bool) -> None:
     """Every request must fit the stores it passes through, or the run could never end.
@@ -73,7 +66,7 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
         limits += [("num_prefill_blocks", config.num_prefill_blocks),
                    ("num_host_blocks", config.num_host_blocks)]
     for req in workload.requests:
-        num_blocks = -(-(req.prompt_len + req.output_len) // block)
+        num_blocks = ceil_div(req.prompt_len + req.output_len, block)
         for name, limit in limits:
             if num_blocks > limit:
                 raise ValueError(
@@ -91,8 +84,8 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     """
     began = time.perf_counter()
     longest = max((r.prompt_len + r.output_len for r in workload.requests), default=1)
-    policy = get_policy(system, config.policy_config(_pow4_at_least(max(MIN_TREE_RANGE,
-                                                                          longest + 1))))
+    policy = get_policy(system, config.policy_config(tree_range(max(MIN_TREE_RANGE,
+                                                                     longest + 1))))
     check_fits(workload, config, policy.uses_pool, policy.uses_staging)
     ctx = SimContext(config, cost, policy, record_tokens)
     wiring = SimWiring()

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from aserve.core import Sequence, TransferRecord
 from aserve.cores.base import Move
+from scheduler import ceil_div
 from transport.blocks import BlockAllocator
 
 LOCATIONS = ("prefill", "staging", "host", "decode")
@@ -26,7 +27,7 @@ class BlockLedger:
         self.transfers: list[TransferRecord] = []  # every completed move, for research
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def free_blocks(self, name: str) -> int:
         return self.allocators[name].num_free
