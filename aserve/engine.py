@@ -1,4 +1,5 @@
-"""Engine: builds the actors of one engine, admits requests, and streams their outputs.
+"""Engine: builds the actors (the engine driver of aserve/cores/), admits requests, and
+streams their outputs.
 
 The embedded API: `async with Engine(config) as engine: async for out in engine.generate(...)`.
 Policy lives in scheduler/, tensors in the runner and transport/; this file wires them.
@@ -44,7 +45,7 @@ RunnerFactory = Callable[[Any, torch.device, int], ModelRunner]
 
 
 class Engine:
-    """One serving engine: prefill, pool, batcher and decode actors over shared KV space."""
+    """One serving engine: prefill, batcher and decode actors over shared KV space."""
 
     def __init__(self, config: EngineConfig | None = None,
                  runner_factory: RunnerFactory | None = None) -> None:

@@ -25,6 +25,8 @@ from bench.report import (
     plot_workload_comparison,
     write_json,
 )
+from bench.workloads import Workload, load_workload
+from scheduler import PolicyConfig
 from sim.calibrate import (
     ATTENTION_KERNELS,
     DTYPE_BYTES,
@@ -38,8 +40,6 @@ from sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
 from sim.hardware import get_hardware
 from sim.run import SimResult, simulate
 from sim.validate import validate
-from bench.workloads import Workload, load_workload
-from scheduler import PolicyConfig
 
 DEFAULT_SPREAD = PolicyConfig().max_spread
 

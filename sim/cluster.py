@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sim.cost import CostModel, ModelGeometry
-from sim.hardware import Hardware
 from aserve.config import EngineConfig
 from scheduler import PolicyConfig, ceil_div
+from sim.cost import ModelGeometry
+from sim.hardware import Hardware
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch

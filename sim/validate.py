@@ -10,12 +10,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from bench.workloads import Workload
 from sim.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel, KernelKind, get_geometry
 from sim.hardware import get_hardware
 from sim.run import simulate
-from bench.workloads import Workload
 
 METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
 TOLERANCE = 0.15  # issue 9: predictions within 15 % of the engine

@@ -20,7 +20,7 @@ from aserve.config import EngineConfig
 from aserve.core import Sequence
 from aserve.cores import Forward, Lifecycle, Move, Window
 from aserve.kvspace import KVSpace
-from aserve.messages import Deliver, Message, Pooled, RunningWindow, Stop, Submit, WantBatch, Wake
+from aserve.messages import Deliver, Message, Pooled, RunningWindow, Stop, Submit, Wake, WantBatch
 from aserve.runner import StepResult, WorkItem
 from scheduler import Policy
 

@@ -9,7 +9,7 @@ from functools import partial
 from aserve.actors.base import Actor, EngineContext
 from aserve.core import SeqStatus
 from aserve.cores import BatcherCore, Order, Wiring
-from aserve.messages import Message, Pooled, RunningWindow, WantBatch, Wake
+from aserve.messages import Message, Pooled, RunningWindow, Wake, WantBatch
 
 
 class BatcherActor(Actor):

@@ -118,7 +118,10 @@ def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type
             [(t.seq_id, t.src, t.dst, t.num_blocks) for t in transfers])
 
 
-@pytest.mark.parametrize("policy", ["aligned-loose", "aligned", "aligned-noprefetch", "fcfs", "continuous"])
+POLICIES = ["aligned-loose", "aligned", "aligned-noprefetch", "fcfs", "continuous"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_engine_and_simulator_make_the_same_decisions(policy: str) -> None:
     cost = cost_model()
     config = engine_config(policy)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.workloads import synthetic
+from sim.cli import main
 from sim.cluster import ClusterConfig
 from sim.validate import (
     ValidationRow,
@@ -15,8 +17,6 @@ from sim.validate import (
     policy_of,
     validate,
 )
-from sim.cli import main
-from bench.workloads import synthetic
 
 RUN = ["--workload", "synthetic", "--num-requests", "60", "--rate", "50", "--model",
        "opt-1.3b", "--hardware", "a100", "--prefill", "1", "--decode", "2"]

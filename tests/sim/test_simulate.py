@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from bench.metrics import request_metrics
+from bench.workloads import Workload, WorkloadRequest, synthetic
 from sim import (
     ClusterConfig,
     CostModel,
@@ -20,7 +21,6 @@ from sim import (
     simulate,
 )
 from sim.hardware import Hardware
-from bench.workloads import Workload, WorkloadRequest, synthetic
 
 SYSTEMS = ("aligned", "aligned-noprefetch", "aligned-loose", "fcfs", "continuous")
 FAST = 1e30  # bandwidths and rates so high that only the fixed step overhead counts
