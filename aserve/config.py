@@ -24,7 +24,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "float32"  # one of DTYPES
     attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
     max_position_embeddings: int | None = None  # extend a preset's position table (tokens)
-    seed: int = 0  # seed of a preset's random weights
+    tokenizer: str | None = None  # a directory with tokenizer files, or "bytes" for the
+    # byte-level tokenizer; None: the checkpoint directory's own (a preset: byte-level)
+    weights_seed: int = 0  # seed of a preset's random weights (a checkpoint has its own)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, triton backends)
 
     def __post_init__(self) -> None:
@@ -114,15 +116,31 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be >= 1024")
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the engine needs; composed of one config per area."""
+class _FlatKeywords(msgspec.StructMeta):
+    """Lets `EngineConfig(model="opt-125m", dtype="bfloat16", policy="fcfs")` take the flat
+    keywords of `EngineConfig.create` (as vLLM's engine arguments are flat)."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        if args or all(k in _TOP_LEVEL or k in _AREAS and isinstance(v, msgspec.Struct)
+                       for k, v in kwargs.items()):
+            return super().__call__(*args, **kwargs)
+        return cls.create(**kwargs)  # type: ignore[attr-defined]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKeywords):
+    """Everything the engine needs; composed of one config per area.
+
+    Either by area (`EngineConfig(model=ModelConfig(...), cache=CacheConfig(...))`) or by
+    flat keywords, vLLM's names included (`EngineConfig(model="opt-125m", dtype="bfloat16",
+    policy="fcfs", max_num_seqs=64)`); see `create`.
+    """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
-    seed: int = 0  # engine-wide seed for unseeded sampling
+    seed: int = 0  # seeds the RNG that sampled requests without their own seed draw from
     trace_limit: int = 1_000_000  # lifecycle events / iteration records kept (oldest dropped)
     num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
 
@@ -142,10 +160,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
         """Builds a config from flat keyword arguments (`model=`, `policy=`, `block_size=`…),
-        routing each to its area; unknown names raise ValueError."""
-        areas: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        routing each to its area; vLLM's names (`VLLM_NAMES`, `enforce_eager`) are accepted.
+        An area object (`model=ModelConfig(...)`) is the base its flat keywords override.
+
+        Raises:
+            ValueError: an unknown name, or a value its config rejects.
+        """
+        bases: dict[str, msgspec.Struct] = {
+            "model": ModelConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+        areas: dict[str, dict[str, object]] = {area: {} for area in bases}
         top: dict[str, object] = {}
         for key, value in kwargs.items():
+            if key in bases and isinstance(value, msgspec.Struct):
+                bases[key] = value
+                continue
+            if key == "enforce_eager":
+                key, value = "cuda_graphs", not value
+            key = VLLM_NAMES.get(key, key)
             area = _AREA_OF.get(key)
             if area is None:
                 raise ValueError(f"unknown engine option {key!r}")
@@ -154,25 +185,25 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(top.get(key), str):
                 top[key] = (top[key],)
             elif key in top:
-                top[key] = tuple(top[key])  # type: ignore[arg-type]
-        return cls(
-            model=ModelConfig(**areas["model"]),  # type: ignore[arg-type]
-            cache=CacheConfig(**areas["cache"]),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(**areas["scheduler"]),  # type: ignore[arg-type]
-            **top,  # type: ignore[arg-type]
-        )
+                top[key] = tuple(top[key])  # type: ignore[call-overload]
+        built = {area: type(base)(**{**msgspec.structs.asdict(base), **areas[area]})
+                 for area, base in bases.items()}
+        return cls(**built, **top)  # type: ignore[arg-type]
 
 
 def _fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
     return struct.__struct_fields__
 
 
+_AREAS = ("model", "cache", "scheduler")  # EngineConfig's fields that are config objects
+_TOP_LEVEL = ("prefill_devices", "decode_devices", "seed", "trace_limit", "num_threads")
+VLLM_NAMES = {"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_prefill_tokens",
+              "max_model_len": "max_position_embeddings"}  # vLLM's name -> ours, same meaning
 _AREA_OF: dict[str, str] = {
     **{f: "model" for f in _fields(ModelConfig)},
     **{f: "cache" for f in _fields(CacheConfig)},
     **{f: "scheduler" for f in _fields(SchedulerConfig)},
-    **{f: "" for f in ("prefill_devices", "decode_devices", "seed", "trace_limit",
-                       "num_threads")},
+    **{f: "" for f in _TOP_LEVEL},
 }
 
 

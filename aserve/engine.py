@@ -68,14 +68,20 @@ class Engine:
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
+        # NOTE: as vLLM's `seed`: sampled requests without a seed of their own draw from the
+        # global RNG, so a run repeats when its requests are batched the same way.
+        torch.manual_seed(cfg.seed)
         runners: dict[str, ModelRunner] = {}
         for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
             runners[dev] = await asyncio.to_thread(
                 ModelRunner, cfg.model, torch.device(dev), cfg.cache.block_size)
         model_config = next(iter(runners.values())).model_config
+        default_source = None if model_config_is_preset(cfg.model.model) else cfg.model.model
         self.tokenizer = load_tokenizer(
-            None if model_config_is_preset(cfg.model.model) else cfg.model.model,
+            cfg.model.tokenizer or default_source,
             model_config.vocab_size, model_config.eos_token_id, model_config.bos_token_id)
+        max_len = min(model_config.max_position_embeddings,  # a checkpoint capped by config
+                      cfg.model.max_position_embeddings or model_config.max_position_embeddings)
         geometry = KVGeometry(model_config.num_layers, model_config.num_heads,
                               model_config.head_dim, cfg.cache.block_size,
                               resolve_dtype(cfg.model.dtype))
@@ -91,7 +97,7 @@ class Engine:
         self.ctx = EngineContext(cfg, kv, runners, policy,
                                  Outputs(model_config.eos_token_id,
                                          trace_limit=cfg.trace_limit),
-                                 model_config.max_position_embeddings)
+                                 max_len)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
         self._build_actors(self.ctx)

@@ -64,7 +64,7 @@ class ModelRunner:
         self.model: OPTForCausalLM
         self.model_config: OPTConfig
         self.model, self.model_config = load_model(
-            config.model, config.dtype, device, seed=config.seed,
+            config.model, config.dtype, device, seed=config.weights_seed,
             max_position_embeddings=config.max_position_embeddings,
         )
         self.model.eval()

@@ -37,7 +37,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     raw.train_from_iterator(CORPUS, trainer)
     raw.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
+    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
+              "add_bos_token": True}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
@@ -93,11 +94,15 @@ def test_hf_tokenizer_loads_specials_from_config_and_round_trips(hf_dir: Path) -
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + UNICODE_TEXT
 
 
-def test_load_tokenizer_falls_back_to_bytes_without_tokenizer_json(tmp_path: Path) -> None:
+def test_byte_tokenizer_only_for_presets_or_when_asked(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(None, vocab_size=300), ByteTokenizer)
-    tokenizer = load_tokenizer(tmp_path, vocab_size=300, eos_token_id=2)
+    tokenizer = load_tokenizer("bytes", vocab_size=300, eos_token_id=2)
     assert isinstance(tokenizer, ByteTokenizer)
     assert tokenizer.decode(tokenizer.encode("ok")) == "ok"
+    with pytest.raises(ValueError, match=f"{tmp_path} has no tokenizer files .*--tokenizer"):
+        load_tokenizer(tmp_path, vocab_size=300)
+    with pytest.raises(ValueError, match="'nowhere' is neither 'bytes' nor a directory"):
+        load_tokenizer("nowhere", vocab_size=300)
 
 
 @settings(max_examples=150, deadline=None)
