@@ -185,7 +185,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKey
             if isinstance(top.get(key), str):
                 top[key] = (top[key],)
             elif key in top:
-                top[key] = tuple(top[key])  # type: ignore[call-overload]
+                top[key] = tuple(top[key])  # type: ignore[arg-type]
         built = {area: type(base)(**{**msgspec.structs.asdict(base), **areas[area]})
                  for area, base in bases.items()}
         return cls(**built, **top)  # type: ignore[arg-type]
@@ -213,43 +213,84 @@ def _env_default(name: str, default: object, env: Mapping[str, str]) -> object:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Adds the engine options to a CLI parser; each defaults to its ASERVE_* variable."""
-    m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
+    """Adds the engine options to a CLI parser; each defaults to its ASERVE_* variable.
+
+    Help texts leave the default to the parser's formatter (`HELP_FORMATTER`), which shows it.
+    """
+    from models.opt import PRESETS
+    from scheduler import POLICIES
+
+    m, c, s, e = ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()
     d = lambda n, v: _env_default(n, v, env)  # noqa: E731
-    parser.add_argument("--model", default=d("model", m.model))
-    parser.add_argument("--dtype", default=d("dtype", m.dtype), choices=DTYPES)
-    parser.add_argument("--attention", default=d("attention", m.attention))
-    parser.add_argument("--max-position-embeddings", type=int,
-                        default=d("max_position_embeddings", None))
-    parser.add_argument("--policy", default=d("policy", s.policy))
-    parser.add_argument("--prefill-device", dest="prefill_devices", action="append")
-    parser.add_argument("--decode-device", dest="decode_devices", action="append")
-    parser.add_argument("--block-size", type=int, default=d("block_size", c.block_size))
-    parser.add_argument("--num-decode-blocks", type=int,
-                        default=d("num_decode_blocks", c.num_decode_blocks))
-    parser.add_argument("--num-prefill-blocks", type=int,
-                        default=d("num_prefill_blocks", c.num_prefill_blocks))
-    parser.add_argument("--num-staging-blocks", type=int,
-                        default=d("num_staging_blocks", c.num_staging_blocks))
-    parser.add_argument("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb))
-    parser.add_argument("--max-batch-size", type=int,
-                        default=d("max_batch_size", s.max_batch_size))
-    parser.add_argument("--max-prefill-tokens", type=int,
-                        default=d("max_prefill_tokens", s.max_prefill_tokens))
-    parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
-    parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
-    parser.add_argument("--max-spread", type=spread_arg,
-                        default=d("max_spread", s.max_spread),
-                        help="aligned: the longest/shortest prefix ratio an admission may "
-                             f"leave in the running batch (default {s.max_spread}; 'off': "
-                             "the paper's looser rules)")
-    parser.add_argument("--seed", type=int, default=d("seed", 0))
+    add = parser.add_argument
+    add("--model", default=d("model", m.model),
+        help=f"a preset with random weights ({', '.join(PRESETS)}) or a checkpoint directory "
+             "(config.json, weights, tokenizer files)")
+    add("--tokenizer", default=d("tokenizer", m.tokenizer),
+        help="a directory with tokenizer files (tokenizer.json, or vocab.json + merges.txt), "
+             "or 'bytes' for the byte-level tokenizer; None: the model directory's own "
+             "(presets: byte-level)")
+    add("--dtype", default=d("dtype", m.dtype), choices=DTYPES,
+        help="weights and KV cache dtype")
+    add("--attention", default=d("attention", m.attention), choices=ATTENTION_BACKENDS,
+        help="decode attention backend")
+    add("--max-model-len", "--max-position-embeddings", dest="max_position_embeddings",
+        type=int, metavar="TOKENS", default=d("max_position_embeddings", m.max_position_embeddings),
+        help="context limit in tokens: extends a preset's position table, caps a "
+             "checkpoint's; None: the model's own")
+    add("--policy", default=d("policy", s.policy), choices=sorted(POLICIES),
+        help="batching policy (docs/design.md §4)")
+    add("--prefill-device", dest="prefill_devices", action="append", metavar="DEVICE",
+        help="a prefill instance's device (cpu, cuda, cuda:N); repeat for several; None: "
+             "ASERVE_PREFILL_DEVICES (comma list), else cpu")
+    add("--decode-device", dest="decode_devices", action="append", metavar="DEVICE",
+        help="a decode instance's device; repeat for several; None: "
+             "ASERVE_DECODE_DEVICES (comma list), else cpu")
+    add("--block-size", type=int, default=d("block_size", c.block_size),
+        help="tokens per KV block")
+    add("--num-decode-blocks", type=int, default=d("num_decode_blocks", c.num_decode_blocks),
+        help="KV blocks of each decode instance")
+    add("--num-prefill-blocks", type=int,
+        default=d("num_prefill_blocks", c.num_prefill_blocks),
+        help="scratch KV blocks of each prefill instance")
+    add("--num-staging-blocks", type=int,
+        default=d("num_staging_blocks", c.num_staging_blocks),
+        help="candidate-buffer KV blocks on each prefill device")
+    add("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb),
+        help="host KV pool capacity (GiB)")
+    add("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, metavar="N",
+        default=d("max_batch_size", s.max_batch_size),
+        help="most sequences in one decode iteration")
+    add("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_prefill_tokens",
+        type=int, metavar="TOKENS", default=d("max_prefill_tokens", s.max_prefill_tokens),
+        help="token budget of one prefill (or mixed) step")
+    add("--min-requests", type=int, default=d("min_requests", s.min_requests),
+        help="density-first search: smallest batch that saturates the decode device")
+    add("--max-waiting", type=int, default=d("max_waiting", s.max_waiting),
+        help="requests waiting for prefill before new ones get HTTP 503")
+    add("--max-spread", type=spread_arg, default=d("max_spread", s.max_spread),
+        help="aligned: the longest/shortest prefix ratio an admission may leave in the "
+             "running batch ('off': the paper's looser rules)")
+    add("--seed", type=int, default=d("seed", e.seed),
+        help="seeds the RNG that sampled requests without their own seed draw from "
+             "(as vLLM's --seed)")
+    add("--weights-seed", type=int, default=d("weights_seed", m.weights_seed),
+        help="seed of a preset's random weights (a checkpoint has its own)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps descriptions as written and appends "(default: ...)" to every option's help."""
+
+
+HELP_FORMATTER = HelpFormatter
 
 
 _ENGINE_ARGS = (
-    "model", "dtype", "attention", "max_position_embeddings", "policy", "block_size",
-    "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks", "host_pool_gb",
-    "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting", "max_spread", "seed",
+    "model", "tokenizer", "dtype", "attention", "max_position_embeddings", "policy",
+    "block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
+    "host_pool_gb", "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting",
+    "max_spread", "seed", "weights_seed",
 )
 
 
@@ -259,6 +300,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
         **{f: t for f, t in _annotations(ModelConfig).items()},
         **{f: t for f, t in _annotations(CacheConfig).items()},
         **{f: t for f, t in _annotations(SchedulerConfig).items()},
+        **{f: t for f, t in _annotations(EngineConfig).items() if f in _TOP_LEVEL},
     }
     kwargs: dict[str, object] = {}
     for name in _ENGINE_ARGS:
@@ -299,13 +341,18 @@ def environ() -> Mapping[str, str]:
 def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds the HTTP server options; each defaults to its ASERVE_* variable."""
     s = ServerConfig()
-    parser.add_argument("--host", default=_env_default("host", s.host, env))
-    parser.add_argument("--port", type=int, default=_env_default("port", s.port, env))
-    parser.add_argument("--api-key", default=_env_default("api_key", None, env))
-    parser.add_argument("--served-model-name", default=_env_default("served_model_name", None,
-                                                                    env))
+    parser.add_argument("--host", default=_env_default("host", s.host, env),
+                        help="bind address (loopback unless asked otherwise)")
+    parser.add_argument("--port", type=int, default=_env_default("port", s.port, env),
+                        help="TCP port (0: any free port)")
+    parser.add_argument("--api-key", default=_env_default("api_key", None, env),
+                        help="bearer token required on every route but /health; None: open")
+    parser.add_argument("--served-model-name",
+                        default=_env_default("served_model_name", None, env),
+                        help="the model's name in /v1/models and requests; None: --model")
     parser.add_argument("--max-body-bytes", type=int,
-                        default=_env_default("max_body_bytes", s.max_body_bytes, env))
+                        default=_env_default("max_body_bytes", s.max_body_bytes, env),
+                        help="larger request bodies get HTTP 413")
 
 
 def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:

@@ -45,7 +45,7 @@ class LLM:
         """
         if self._loop.is_closed():
             raise ValueError("this LLM is closed")
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         per_prompt = _per_prompt(sampling_params, len(items))
         return self._loop.run_until_complete(_complete_all(self._engine, items, per_prompt))
 
