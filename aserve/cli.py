@@ -74,18 +74,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args, environ())
-    except ValueError as exc:
+        if args.command == "serve":
+            from aserve.server import serve
+
+            server_config: ServerConfig = server_config_from_args(args, environ())
+            return serve(config, server_config)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                                ignore_eos=args.ignore_eos)
+        return asyncio.run(_generate(config, args.prompt, params))
+    except ValueError as exc:  # bad options or files, found while parsing or starting up
+        logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2
-    if args.command == "serve":
-        from aserve.server import serve
-
-        server_config: ServerConfig = server_config_from_args(args, environ())
-        return serve(config, server_config)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                            ignore_eos=args.ignore_eos)
-    return asyncio.run(_generate(config, args.prompt, params))
 
 
 async def _generate(config: object, prompt: str, params: SamplingParams) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from bench import bench_cli, peers, sim_cli
 from bench.harness import Sizing
 from models.loader import load_model
 from scheduler import POLICIES
+from tests.hub_checkpoint import write_hub_checkpoint
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -97,3 +99,20 @@ def test_bench_seed_gives_the_engine_and_the_transformers_peer_the_same_weights(
     assert torch.equal(ours, peer.model.decoder.embed_tokens.weight)
     seed0, _ = load_model("opt-tiny", "float32", "cpu", seed=0)
     assert not torch.equal(ours, seed0.model.decoder.embed_tokens.weight)
+
+
+def test_checkpoint_without_tokenizer_files_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hub = write_hub_checkpoint(tmp_path / "hub")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "pytorch_model.bin"):
+        (bare / name).write_bytes((hub / name).read_bytes())
+    capsys.readouterr()  # transformers' progress bars
+    assert cli.main(["generate", "--model", str(bare), "--max-tokens", "2", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"aserve: error: {bare} has no tokenizer files")
+    assert "--tokenizer" in err
+    args = ["generate", "--model", str(bare), "--max-tokens", "3", "--ignore-eos", "Hi"]
+    assert cli.main([*args, "--tokenizer", str(hub)]) == 0
+    assert "[3 tokens, finish_reason=length]" in capsys.readouterr().err
