@@ -20,14 +20,17 @@ TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
 
 def write_hf_checkpoint(path: Path, dtype: str = "float32", seed: int = 0,
                         **overrides: object) -> Path:
-    """Saves a random `transformers` OPT to `path` (config.json + model.safetensors)."""
+    """Saves a random `transformers` OPT to `path` (config.json + model.safetensors), with
+    the tokenizer files a Hub checkpoint ships (tests/hub_checkpoint.py)."""
     from transformers import OPTConfig, OPTForCausalLM
+
+    from tests.hub_checkpoint import write_hub_tokenizer
 
     torch.manual_seed(seed)
     config = OPTConfig(**{**TINY_HF, **overrides})
     model = OPTForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(path)
-    return path
+    return write_hub_tokenizer(path)
 
 
 @pytest.fixture(scope="session")
