@@ -134,11 +134,9 @@ class RefusedConnection(asyncio.Protocol):
 
 # -- requests ------------------------------------------------------------------------------
 def install(app: web.Application, config: ServerConfig) -> None:
-    """Adds the request checks to `app` (call after every route is added): Host first,
-    then the body checks; CORS on every route when origins are configured."""
+    """Gives the middlewares here their config and, when origins are configured, puts CORS
+    on every route (call after every route is added)."""
     app[GUARD_CONFIG] = config
-    app.middlewares.insert(0, host_middleware)
-    app.middlewares.append(body_middleware)
     if config.allowed_origins:
         options = aiohttp_cors.ResourceOptions(
             allow_headers=("Authorization", "Content-Type"), expose_headers=("Retry-After",),
@@ -182,12 +180,10 @@ def _is_ip(name: str) -> bool:
 @web.middleware
 async def host_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """421 unless the Host header names this server: a page on another name that DNS
-    rebinding pointed here cannot read or drive it."""
+    rebinding pointed here cannot read or drive it. (aiohttp refuses HTTP/1.1 without Host;
+    browsers always send it.)"""
     host = request.headers.get("Host")
-    if host is None:
-        if request.version >= (1, 1):
-            raise RequestError("an HTTP/1.1 request needs a Host header", "Host")
-    elif not is_allowed_host(host, request, request.app[GUARD_CONFIG]):
+    if host is not None and not is_allowed_host(host, request, request.app[GUARD_CONFIG]):
         raise RequestError(f"Host {clip(host)!r} is not served here; start the server with "
                            "--allowed-hosts to accept it", "Host", 421, "host_not_allowed")
     return await handler(request)

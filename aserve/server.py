@@ -61,7 +61,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     An `engine` passed in that is already running is used but neither started nor stopped."""
     app = web.Application(client_max_size=server_config.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware])  # + guard.install
+                          middlewares=[_error_middleware, guard.host_middleware,
+                                       _auth_middleware, guard.body_middleware])
     app[ENGINE] = engine if engine is not None else Engine(engine_config)
     app[SERVER_CONFIG] = server_config
     app[METRICS] = ServerMetrics()
@@ -180,8 +181,8 @@ def _admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
     never run) before anything is submitted; 503 only while the engine is full."""
     prompts = prompts_of(req)
     if len(prompts) > config.max_request_prompts:
-        raise RequestError(f"the request has {len(prompts)} prompts but max_request_prompts is "
-                           f"{config.max_request_prompts}; split it", "prompt", 400,
+        raise RequestError(f"the request has {len(prompts)} prompts, over max_request_prompts "
+                           f"({config.max_request_prompts}); split it", "prompt", 400,
                            "too_many_prompts")
     params = sampling_params(req)
     max_waiting = engine.config.scheduler.max_waiting
@@ -198,8 +199,8 @@ def _admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
             raise RequestError(f"{where}{exc}", param) from exc
     total = sum(len(r.prompt_token_ids) + params.max_tokens for r in out)
     if total > config.max_request_tokens:
-        raise RequestError(f"the request's prompts + max_tokens come to {total} tokens but "
-                           f"max_request_tokens is {config.max_request_tokens}; split it",
+        raise RequestError(f"the request's prompts + max_tokens come to {total} tokens, over "
+                           f"max_request_tokens ({config.max_request_tokens}); split it",
                            "prompt", 400, "too_many_tokens")
     return out
 
