@@ -16,10 +16,11 @@ class BatchRun:
     """The prompts of one HTTP request, running concurrently in the engine; their outputs
     are merged into one stream of `(index, cumulative output)` in arrival order.
 
-    Fair share: a run keeps at most one prefill step's tokens (`max_prefill_tokens`) of its
-    prompts waiting for prefill, and at most `max_batch_size` of them unfinished; the rest
-    enter the engine as those leave. A request with thousands of prompts thus delays another
-    by about one prefill step instead of taking the whole queue."""
+    Fair share: prompts enter the engine in slices of at most one prefill step's tokens
+    (`max_prefill_tokens`); the next slice enters once the last one is prefilled and a
+    quarter of the run's decode share (`max_batch_size` unfinished prompts) is free. A request
+    with thousands of prompts thus delays another by about one prefill step, not all of them.
+    """
 
     def __init__(self, engine: Engine, requests: list[Request], metrics: ServerMetrics) -> None:
         self.engine, self.requests, self.metrics = engine, requests, metrics
@@ -28,7 +29,8 @@ class BatchRun:
         self.is_aborted = False
         sched = engine.config.scheduler
         self.max_queued_tokens, self.max_live = sched.max_prefill_tokens, sched.max_batch_size
-        self._queued: dict[int, int] = {}  # submitted, no output yet: index -> prompt tokens
+        self.min_slice = max(1, self.max_live // 4)  # prompts; fewer free: wait for more
+        self._queued: set[int] = set()  # submitted, no output yet (waiting for prefill)
         self._num_live = 0  # submitted and unfinished
         self._pending: tuple[int, RequestOutput] | None = None
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
@@ -36,16 +38,19 @@ class BatchRun:
         self._admit()
 
     def _admit(self) -> None:
-        """Submits the next prompts while the run is within its share."""
-        while len(self._tasks) < len(self.requests) and not self.is_aborted:
+        """Submits the next slice once the last one is prefilled and there is room for it."""
+        if self._queued or self.is_aborted or self._num_live > self.max_live - self.min_slice:
+            return
+        budget = self.max_queued_tokens
+        while len(self._tasks) < len(self.requests) and self._num_live < self.max_live:
             index = len(self._tasks)
-            num_tokens = len(self.requests[index].prompt_token_ids)
-            if self._queued and (sum(self._queued.values()) + num_tokens > self.max_queued_tokens
-                                 or self._num_live >= self.max_live):
-                return
-            self._queued[index] = num_tokens
-            self._num_live += 1
             request = self.requests[index]
+            num_tokens = len(request.prompt_token_ids)
+            if self._queued and num_tokens > budget:
+                return
+            budget -= num_tokens
+            self._queued.add(index)
+            self._num_live += 1
             self._tasks.append(asyncio.create_task(self._pump(index, request),
                                                    name=request.request_id))
 
@@ -65,7 +70,7 @@ class BatchRun:
         if isinstance(item, Exception):
             raise item
         self.last[index] = item
-        self._queued.pop(index, None)
+        self._queued.discard(index)
         if item.finished:
             self.num_unfinished -= 1
             self._num_live -= 1
