@@ -5,6 +5,7 @@ details only with the key, and errors that name the field and clip what they ech
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import AsyncIterator, Iterator
 
@@ -13,8 +14,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.guard import GUARD_CONFIG
+from aserve.config import ServerConfig, add_server_args, server_config_from_args
+from aserve.guard import GUARD_CONFIG, is_allowed_host
 from aserve.server import create_app
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_engine_config
 from tests.reliability.conftest import GuardedLiveServer, raw_exchange
@@ -169,3 +170,34 @@ async def test_cors_preflight_and_response_headers(cors_client: TestClient) -> N
     else:
         assert pre.status >= 400 and allowed is None
         assert "Access-Control-Allow-Origin" not in resp.headers
+
+
+def test_server_options_parse_from_flags_and_environment() -> None:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, env={"ASERVE_ALLOWED_HOSTS": "a.example, b.example",
+                                 "ASERVE_MAX_CONNECTIONS": "64", "ASERVE_HEALTH_DETAILS": "1"})
+    config = server_config_from_args(parser.parse_args(
+        ["--allowed-origins", "https://x.example", "--body-timeout", "2.5"]), env={})
+    assert config.allowed_hosts == ("a.example", "b.example")
+    assert config.allowed_origins == ("https://x.example",)
+    assert (config.max_connections, config.body_timeout, config.health_details) == (64, 2.5, True)
+    assert server_config_from_args(_parsed([]), env={}) == ServerConfig()
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, env={})
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("host, allowed", [
+    ("localhost", True), ("LOCALHOST.:8000", True), ("127.0.0.1:1", True), ("[::1]:8000", True),
+    ("aserve.internal", True), ("evil.example", False), ("127.0.0.1.evil.example", False),
+    ("[::2]", False), ("", False)])
+def test_host_names_are_matched_without_port_case_or_trailing_dot(host: str,
+                                                                 allowed: bool) -> None:
+    class NoTransport:
+        transport = None
+
+    config = ServerConfig(allowed_hosts=(EXTRA_HOST,))
+    assert is_allowed_host(host, NoTransport(), config) is allowed  # type: ignore[arg-type]
