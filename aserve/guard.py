@@ -156,7 +156,7 @@ def is_allowed_host(host: str, request: web.Request, config: ServerConfig) -> bo
     if name in allowed:
         return True
     sockname = request.transport.get_extra_info("sockname") if request.transport else None
-    return bool(sockname) and _is_ip(name) and name == str(sockname[0]).lower()
+    return sockname is not None and _is_ip(name) and name == str(sockname[0]).lower()
 
 
 def _hostname(host: str) -> str:
