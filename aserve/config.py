@@ -108,12 +108,29 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None  # bearer token required on every route but /health
     served_model_name: str | None = None  # name in /v1/models; defaults to the model
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound
+    # address (421 otherwise); "*" accepts any
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser page may call from;
+    # empty: CORS off; "*" any
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's head
+    body_timeout: float = 30.0  # seconds a request's body may take once its head is in (408)
+    keepalive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 512  # open connections; past it a connection gets a 503 and closes
+    max_request_prompts: int = 4096  # prompts in one request (400 past it)
+    max_request_tokens: int = 1 << 20  # sum over a request's prompts of prompt + max_tokens
+    health_details: bool = False  # /health names actors and errors to anyone (else: key only)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be >= 1024")
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be > 0 seconds")
+        for name in ("max_connections", "max_request_prompts", "max_request_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
 
 
 class _FlatKeywords(msgspec.StructMeta):
@@ -341,22 +358,61 @@ def environ() -> Mapping[str, str]:
 def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds the HTTP server options; each defaults to its ASERVE_* variable."""
     s = ServerConfig()
-    parser.add_argument("--host", default=_env_default("host", s.host, env),
+    d = lambda n, v: _env_default(n, v, env)  # noqa: E731
+    parser.add_argument("--host", default=d("host", s.host),
                         help="bind address (loopback unless asked otherwise)")
-    parser.add_argument("--port", type=int, default=_env_default("port", s.port, env),
+    parser.add_argument("--port", type=int, default=d("port", s.port),
                         help="TCP port (0: any free port)")
-    parser.add_argument("--api-key", default=_env_default("api_key", None, env),
+    parser.add_argument("--api-key", default=d("api_key", None),
                         help="bearer token required on every route but /health; None: open")
     parser.add_argument("--served-model-name",
-                        default=_env_default("served_model_name", None, env),
+                        default=d("served_model_name", None),
                         help="the model's name in /v1/models and requests; None: --model")
     parser.add_argument("--max-body-bytes", type=int,
-                        default=_env_default("max_body_bytes", s.max_body_bytes, env),
+                        default=d("max_body_bytes", s.max_body_bytes),
                         help="larger request bodies get HTTP 413")
+    parser.add_argument("--allowed-hosts", type=_split, default=d("allowed_hosts", ""),
+                        help="comma-separated Host names accepted besides loopback names and "
+                             "the bound address, '*' for any; others get 421")
+    parser.add_argument("--allowed-origins", type=_split, default=d("allowed_origins", ""),
+                        help="comma-separated origins (scheme://host[:port]) whose pages may "
+                             "call the API through CORS, '*' for any; none: CORS off")
+    parser.add_argument("--header-timeout", type=float, default=d("header_timeout",
+                                                                  s.header_timeout),
+                        help="seconds a connection may take to send a request's headers")
+    parser.add_argument("--body-timeout", type=float, default=d("body_timeout", s.body_timeout),
+                        help="seconds a request body may take once its headers are in; then 408")
+    parser.add_argument("--keepalive-timeout", type=float,
+                        default=d("keepalive_timeout", s.keepalive_timeout),
+                        help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--max-connections", type=int,
+                        default=d("max_connections", s.max_connections),
+                        help="open connections served at once; a connection past it gets 503 "
+                             "and is closed")
+    parser.add_argument("--max-request-prompts", type=int,
+                        default=d("max_request_prompts", s.max_request_prompts),
+                        help="prompts one request may carry; more get 400")
+    parser.add_argument("--max-request-tokens", type=int,
+                        default=d("max_request_tokens", s.max_request_tokens),
+                        help="prompt tokens plus max_tokens, summed over one request's "
+                             "prompts; more get 400")
+    parser.add_argument("--health-details", action="store_true",
+                        default=str(d("health_details", "")).lower() in ("1", "true", "yes"),
+                        help="/health names the actors and their last errors to any caller "
+                             "(off: only to callers with the API key)")
 
 
 def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
     """The ServerConfig the parsed CLI arguments describe."""
     return ServerConfig(host=args.host, port=int(args.port), api_key=args.api_key or None,
                         served_model_name=args.served_model_name,
-                        max_body_bytes=int(args.max_body_bytes))
+                        max_body_bytes=int(args.max_body_bytes),
+                        allowed_hosts=tuple(args.allowed_hosts),
+                        allowed_origins=tuple(args.allowed_origins),
+                        header_timeout=float(args.header_timeout),
+                        body_timeout=float(args.body_timeout),
+                        keepalive_timeout=float(args.keepalive_timeout),
+                        max_connections=int(args.max_connections),
+                        max_request_prompts=int(args.max_request_prompts),
+                        max_request_tokens=int(args.max_request_tokens),
+                        health_details=bool(args.health_details))

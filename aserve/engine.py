@@ -173,9 +173,11 @@ class Engine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
-        if total > ctx.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {total} exceeds the model's context ({ctx.max_model_len})")
+        if total > ctx.max_model_len:  # NOTE: the message starts with the field to blame
+            field = "prompt" if len(ids) >= ctx.max_model_len else "max_tokens"
+            raise ValueError(f"{field}: prompt ({len(ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds the model's context "
+                             f"({ctx.max_model_len})")
         self._check_fits(len(ids), total)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
@@ -201,14 +203,17 @@ class Engine:
         an inbox (the actor busy with a forward pass) wait too, and a burst must see them."""
         return sum(1 for seq in self._live.values() if seq.status == SeqStatus.WAITING)
 
-    def submit(self, request: Request) -> asyncio.Queue[StepOutput]:
-        """Hands a validated request to the engine; returns its output queue."""
+    def submit(self, request: Request, is_admitted: bool = False) -> asyncio.Queue[StepOutput]:
+        """Hands a validated request to the engine; returns its output queue.
+
+        `is_admitted`: the front end admitted it already (a later slice of a batch), so the
+        `max_waiting` bound on new requests does not refuse it."""
         ctx = self._context
         if not self.is_running:
             raise EngineError("the engine is stopped")
         if any(task.done() for task in self._tasks):
             raise EngineError("an engine actor has died; see /health")
-        if self.num_waiting >= self.config.scheduler.max_waiting:
+        if not is_admitted and self.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting "
                                    f"(max_waiting={self.config.scheduler.max_waiting})")
         seq = Sequence.from_request(request)
@@ -222,13 +227,14 @@ class Engine:
         return queue
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       is_admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Streams a request's output as tokens come; the last output has finished=True.
 
         Leaving the loop early (or a client disconnect) aborts the request."""
         params = params or SamplingParams()
         request = self.make_request(prompt, params, request_id)
-        queue = self.submit(request)
+        queue = self.submit(request, is_admitted)
         seq = self._live[request.request_id]
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
         finished = False

@@ -188,6 +188,11 @@ def _leading_field(message: str) -> str | None:
     return head if head in CompletionRequest.__struct_fields__ else None
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """A client's value as an error message echoes it: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 

@@ -18,8 +18,10 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from aserve import guard
+from aserve.batchrun import BatchRun
 from aserve.config import EngineConfig, ServerConfig
-from aserve.core import Request, RequestOutput
+from aserve.core import Request
 from aserve.engine import Engine
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
@@ -29,6 +31,7 @@ from aserve.protocol import (
     CompletionRequest,
     RequestError,
     Usage,
+    clip,
     completion_id,
     decode_request,
     error_json,
@@ -49,72 +52,6 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 MODEL_NAMES: web.AppKey[tuple[str, ...]] = web.AppKey("model_names")
 
 
-class BatchRun:
-    """The prompts of one HTTP request, running concurrently in the engine; their outputs
-    are merged into one stream of `(index, cumulative output)` in arrival order."""
-
-    def __init__(self, engine: Engine, requests: list[Request], metrics: ServerMetrics) -> None:
-        self.engine, self.requests, self.metrics = engine, requests, metrics
-        self.last: list[RequestOutput | None] = [None] * len(requests)
-        self.num_unfinished = len(requests)
-        self._pending: tuple[int, RequestOutput] | None = None
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, r), name=r.request_id)
-                       for i, r in enumerate(requests)]
-
-    async def _pump(self, index: int, request: Request) -> None:
-        try:
-            async for out in self.engine.generate(list(request.prompt_token_ids),
-                                                  request.sampling, request.request_id):
-                self._queue.put_nowait((index, out))
-        except Exception as exc:  # re-raised by next() in the handler, which maps it
-            self._queue.put_nowait((index, exc))
-
-    async def next(self) -> tuple[int, RequestOutput]:
-        index, item = await self._queue.get()
-        if isinstance(item, ValueError):
-            raise RequestError(str(item), "prompt") from item
-        if isinstance(item, Exception):
-            raise item
-        self.last[index] = item
-        if item.finished:
-            self.num_unfinished -= 1
-            self.metrics.observe_finished(item)
-        return index, item
-
-    async def start(self) -> None:
-        """Waits for the first output, so that submit errors (overload) surface before the
-        handler sends any header."""
-        self._pending = await self.next()
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            yield item
-        while self.num_unfinished:
-            yield await self.next()
-
-    async def wait_all(self) -> list[RequestOutput]:
-        async for _ in self.outputs():
-            pass
-        return [out for out in self.last if out is not None]
-
-    def abort(self) -> None:
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.engine.abort(request.request_id)
-
-    async def close(self) -> None:
-        """Cancels what still runs (generate() then aborts it in the engine) and counts it."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks)
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.metrics.observe_aborted(len(request.prompt_token_ids),
-                                             0 if out is None else len(out.token_ids))
-
-
 RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
 
 
@@ -124,7 +61,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     An `engine` passed in that is already running is used but neither started nor stopped."""
     app = web.Application(client_max_size=server_config.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware])
+                          middlewares=[_error_middleware, guard.host_middleware,
+                                       _auth_middleware, guard.body_middleware])
     app[ENGINE] = engine if engine is not None else Engine(engine_config)
     app[SERVER_CONFIG] = server_config
     app[METRICS] = ServerMetrics()
@@ -137,6 +75,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    guard.install(app, server_config)  # after every route: CORS covers them all
     return app
 
 
@@ -199,14 +138,18 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer API key on every route but /health, compared in constant time."""
     key = request.app[SERVER_CONFIG].api_key
-    if key is None or request.path == "/health":
-        return await handler(request)
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
+    if key is None or request.path == "/health" or request.method == "OPTIONS":
+        return await handler(request)  # a CORS preflight carries no credentials
+    if not _has_key(request, key):
         raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
                            param="Authorization", status=401, code="invalid_api_key")
     return await handler(request)
+
+
+def _has_key(request: web.Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
 
 
 # -- /v1/completions -----------------------------------------------------------------------
@@ -216,10 +159,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_request(await request.read())
     names: tuple[str, ...] = app[MODEL_NAMES]
     if req.model not in names:
-        raise RequestError(f"model {req.model!r} does not exist; served: {', '.join(names)}",
-                           "model", 404, "model_not_found")
+        raise RequestError(f"model {clip(req.model)!r} does not exist; served: "
+                           f"{', '.join(names)}", "model", 404, "model_not_found")
     cmpl_id = completion_id()
-    requests = _admit(app[ENGINE], req, cmpl_id)
+    requests = _admit(app[ENGINE], app[SERVER_CONFIG], req, cmpl_id)
     run = BatchRun(app[ENGINE], requests, app[METRICS])
     app[RUNS].add(run)
     try:
@@ -232,12 +175,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await run.close()
 
 
-def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[Request]:
-    """Validates every prompt against the engine before anything is submitted."""
+def _admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
+           cmpl_id: str) -> list[Request]:
+    """Validates every prompt against the engine and the per-request caps (400: it can
+    never run) before anything is submitted; 503 only while the engine is full."""
     prompts = prompts_of(req)
+    if len(prompts) > config.max_request_prompts:
+        raise RequestError(f"the request has {len(prompts)} prompts, over max_request_prompts "
+                           f"({config.max_request_prompts}); split it", "prompt", 400,
+                           "too_many_prompts")
     params = sampling_params(req)
     max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting + len(prompts) > max_waiting:
+    if engine.num_waiting >= max_waiting:
         raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
                            f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
     out = []
@@ -245,9 +194,14 @@ def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[Request
         try:
             out.append(engine.make_request(prompt, params, f"{cmpl_id}-{i}"))
         except ValueError as exc:
-            param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
+            param = "max_tokens" if str(exc).startswith("max_tokens") else "prompt"
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise RequestError(f"{where}{exc}", param) from exc
+    total = sum(len(r.prompt_token_ids) + params.max_tokens for r in out)
+    if total > config.max_request_tokens:
+        raise RequestError(f"the request's prompts + max_tokens come to {total} tokens, over "
+                           f"max_request_tokens ({config.max_request_tokens}); split it",
+                           "prompt", 400, "too_many_tokens")
     return out
 
 
@@ -260,6 +214,9 @@ def _usage(run: BatchRun) -> Usage:
 
 async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str) -> web.Response:
     outs = await run.wait_all()
+    if run.is_aborted:  # the server is shutting down: the client should retry, not trust this
+        return _error_response(503, "the server shut down before the completion finished; "
+                               "retry", code="shutting_down")
     failed = [(i, out.error) for i, out in enumerate(outs) if out.finish_reason == "error"]
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
@@ -310,10 +267,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`GET /health`: 200 while every actor is alive, else 503 (no API key needed)."""
-    engine = request.app[ENGINE]
+    """`GET /health`: 200 while every actor is alive, else 503 (no API key needed). Actor
+    names and errors only with `health_details` or to a caller with the API key."""
+    engine, config = request.app[ENGINE], request.app[SERVER_CONFIG]
     report = engine.health() if engine.is_running else {"healthy": False, "actors": {}}
     status = 200 if report["healthy"] else 503
+    if not (config.health_details or config.api_key and _has_key(request, config.api_key)):
+        report = {"healthy": report["healthy"]}
     return web.json_response({"status": "ok" if status == 200 else "unhealthy", **report},
                              status=status, dumps=lambda o: json.dumps(o, default=str))
 
@@ -350,7 +310,8 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     """Serves until SIGINT/SIGTERM: then stops accepting, aborts in-flight requests, stops
     the engine and returns 0. `started(port)` is called once the socket listens."""
     app = create_app(engine_config, server_config)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = guard.GuardedRunner(app, server_config, handler_cancellation=True,
+                                 shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, server_config.host, server_config.port)
     await site.start()

@@ -4,6 +4,7 @@ healthy throughout. Real opt-tiny engine behind aiohttp's test client."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aserve.config import ServerConfig
 from aserve.server import ENGINE, create_app
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client, server_engine_config
+from tests.reliability.conftest import Gate
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY_BYTES = 64 * 1024
@@ -76,7 +78,8 @@ async def test_bad_request_gets_status_and_names_field(
         client: TestClient, payload: object, headers: dict[str, str] | None, status: int,
         param: str | None, needle: str) -> None:
     kwargs = {"data": payload} if isinstance(payload, bytes) else {"json": payload}
-    resp = await client.post("/v1/completions", headers=AUTH if headers is None else headers,
+    headers = {**(AUTH if headers is None else headers), "Content-Type": "application/json"}
+    resp = await client.post("/v1/completions", headers=headers,
                              **kwargs)  # type: ignore[arg-type]
     assert resp.status == status, await resp.text()
     error = (await resp.json())["error"]
@@ -140,10 +143,19 @@ async def strict_client() -> AsyncIterator[TestClient]:
 
 @MODULE_LOOP
 async def test_over_the_waiting_limit_is_503_with_retry_after(strict_client: TestClient) -> None:
+    engine = strict_client.server.app[ENGINE]
+    gate = Gate(next(iter(engine.ctx.runners.values())), "execute")  # holds the prefill
+    first = asyncio.create_task(strict_client.post("/v1/completions", json=ok(prompt="a")))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    second = asyncio.create_task(strict_client.post("/v1/completions", json=ok(prompt="b")))
+    while engine.num_waiting < 1:  # the second waits: max_waiting (1) is reached
+        await asyncio.sleep(0.005)
     resp = await strict_client.post("/v1/completions", json=ok(prompt=["a", "b"]))
     assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
     assert "max_waiting" in (await resp.json())["error"]["message"]
-    assert (await strict_client.post("/v1/completions", json=ok(prompt="a"))).status == 200
+    gate.open()
+    assert [r.status for r in await asyncio.gather(first, second)] == [200, 200]
+    assert (await strict_client.post("/v1/completions", json=ok(prompt=["a", "b"]))).status == 200
 
 
 @MODULE_LOOP
