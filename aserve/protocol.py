@@ -20,7 +20,8 @@ from aserve.core import RequestOutput, SamplingParams
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
 PromptItem = str | int | list[int]  # an element of a prompt list: a token id or a batch entry
 Prompt = str | list[int]  # one prompt after normalisation
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
+MAX_N = 32  # most completions per prompt (`n`, `best_of`)
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|(?:missing required|unknown) field `([A-Za-z_]+)`")
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,12 +30,14 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # send a last chunk with `usage` and no choices
 
 
-class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """The body of `POST /v1/completions` (OpenAI legacy completions, plus vLLM extras)."""
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of `POST /v1/completions` (OpenAI legacy completions, plus vLLM extras).
+
+    A field not listed here is a 400 naming it: nothing a client sends is silently ignored."""
 
     model: str  # the served model name, see GET /v1/models
     prompt: str | list[PromptItem]  # text, token ids, or a list of either (a batch)
-    max_tokens: Annotated[int, Meta(ge=1)] = 16  # tokens to generate per prompt
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16  # per prompt; null: up to the context
     temperature: Annotated[float, Meta(ge=0)] = 1.0  # 0 means greedy
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0  # nucleus probability mass
     top_k: Annotated[int, Meta(ge=-1)] = -1  # -1 or 0: off
@@ -43,15 +46,18 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # keep generating past EOS
     min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop strings ignored before this
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # chosen-token logprobs
-    echo: bool = False  # unsupported: true is rejected
+    echo: bool = False  # the choice's text starts with the prompt
     stream: bool = False  # server-sent events, ending with `data: [DONE]`
     stream_options: StreamOptions | None = None  # only with stream=true
-    n: int = 1  # completions per prompt; only 1 is supported
-    best_of: int | None = None  # only 1 (or null) is supported
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions per prompt
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # only null or n supported
     suffix: str | None = None  # unsupported: must be null
-    presence_penalty: float = 0.0  # unsupported: must be 0
-    frequency_penalty: float = 0.0  # unsupported: must be 0
-    user: str | None = None  # accepted and ignored
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0  # once per generated token
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0  # per occurrence in output
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0  # vLLM: prompt and output tokens
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # id -> bias
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # vLLM: ids that end it
+    user: str | None = None  # an end-user id for the client's records; not used
 
 
 class Logprobs(msgspec.Struct, kw_only=True):
@@ -134,12 +140,12 @@ def decode_request(body: bytes) -> CompletionRequest:
 def check_supported(req: CompletionRequest) -> None:
     """Rejects fields we parse but do not implement, rather than ignoring them."""
     unsupported = [
-        ("n", req.n != 1, f"n ({req.n}) must be 1: one completion per prompt is supported"),
-        ("best_of", req.best_of not in (None, 1), f"best_of ({req.best_of}) must be 1 or null"),
-        ("echo", req.echo, "echo is not supported; send echo=false"),
+        ("best_of", req.best_of not in (None, req.n),
+         f"best_of ({req.best_of}) must be null or equal n ({req.n}): ranking more samples "
+         "than are returned is not supported"),
+        ("echo", req.echo and req.logprobs is not None,
+         "echo with logprobs (prompt logprobs) is not supported; send one of them"),
         ("suffix", req.suffix is not None, "suffix is not supported"),
-        ("presence_penalty", req.presence_penalty != 0, "presence_penalty must be 0"),
-        ("frequency_penalty", req.frequency_penalty != 0, "frequency_penalty must be 0"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options is only allowed with stream=true"),
     ]
@@ -171,16 +177,31 @@ def prompts_of(req: CompletionRequest) -> list[Prompt]:
     return prompts
 
 
-def sampling_params(req: CompletionRequest) -> SamplingParams:
-    """The engine's SamplingParams for a request; raises RequestError on bad values."""
+def sampling_params(req: CompletionRequest, max_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams for a request (`max_tokens` resolved by the caller when
+    the body sent null); raises RequestError on bad values."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     try:
         return SamplingParams(
-            max_tokens=req.max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
             top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
-            ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None)
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias))
     except ValueError as exc:
         raise RequestError(str(exc), param=_leading_field(str(exc))) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (id, bias) pairs; the keys must be integers."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), value))
+        except ValueError:
+            raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+    return tuple(sorted(pairs))
 
 
 def _leading_field(message: str) -> str | None:
@@ -235,10 +256,12 @@ class ChoiceBuilder:
     output it gives the whole choice, called per output it gives the streamed chunks, and
     the chunks concatenate to the whole choice."""
 
-    def __init__(self, index: int, tokenizer: TokenDecoder, has_logprobs: bool) -> None:
+    def __init__(self, index: int, tokenizer: TokenDecoder, has_logprobs: bool,
+                 echo: str = "") -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.has_logprobs = has_logprobs
+        self.echo = echo  # prompt text the choice starts with (`echo`), sent with the first
         self.num_chars = 0  # text already sent
         self.num_tokens = 0  # tokens whose logprobs were already sent
         self.text_offset = 0  # characters of the token strings already sent
@@ -246,6 +269,7 @@ class ChoiceBuilder:
     def delta(self, out: RequestOutput) -> Choice:
         text = out.text[self.num_chars:]
         self.num_chars = max(self.num_chars, len(out.text))
+        text, self.echo = self.echo + text, ""
         logprobs = self._logprobs(out) if self.has_logprobs else None
         return Choice(text=text, index=self.index, logprobs=logprobs,
                       finish_reason=out.finish_reason)

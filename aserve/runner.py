@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -21,7 +22,7 @@ from aserve.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM
-from models.sampler import SamplingTensors, sample
+from models.sampler import Penalties, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +41,19 @@ class WorkItem:
     top_k: int
     seed: int | None
     step: int  # output tokens so far; seeded draws depend on (seed, step) only
+    penalties: PenaltySettings | None = None  # logit bias and penalties; None = neutral
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltySettings:
+    """A sequence's logit bias and penalties, and the tokens they count."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    logit_bias: tuple[tuple[int, float], ...]
+    token_ids: Sequence[int]  # prompt then output (the sequence's list, not copied)
+    num_prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +120,25 @@ class ModelRunner:
             st = SamplingTensors.from_lists(
                 [c.temperature for c in chosen], [c.top_p for c in chosen],
                 [c.top_k for c in chosen], [c.seed for c in chosen], self.device,
-                step_offsets=[c.step for c in chosen],
+                step_offsets=[c.step for c in chosen], penalties=self._penalties(chosen),
             )
             result = sample(logits, st)
             for row, tok, lp in zip(sample_rows, result.token_ids.tolist(),
                                     result.logprobs.tolist()):
                 token_ids[row], logprobs[row] = tok, lp
         return StepResult(token_ids, logprobs, time.perf_counter() - start_time)
+
+    def _penalties(self, chosen: list[WorkItem]) -> Penalties | None:
+        """The penalty tensors of the rows that have any; None when no row has."""
+        rows = [i for i, c in enumerate(chosen) if c.penalties is not None]
+        if not rows:
+            return None
+        ps = [p for c in chosen if (p := c.penalties) is not None]
+        return Penalties.from_lists(
+            rows, [p.presence for p in ps], [p.frequency for p in ps],
+            [p.repetition for p in ps], [p.token_ids[:p.num_prompt_tokens] for p in ps],
+            [p.token_ids[p.num_prompt_tokens:] for p in ps], [p.logit_bias for p in ps],
+            self.model_config.vocab_size, self.device)
 
     def _prepare(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata]:

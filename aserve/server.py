@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aserve.config import EngineConfig, ServerConfig
-from aserve.core import Request, RequestOutput
+from aserve.core import Request, RequestOutput, SamplingParams
 from aserve.engine import Engine
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
@@ -50,22 +50,33 @@ MODEL_NAMES: web.AppKey[tuple[str, ...]] = web.AppKey("model_names")
 
 
 class BatchRun:
-    """The prompts of one HTTP request, running concurrently in the engine; their outputs
-    are merged into one stream of `(index, cumulative output)` in arrival order."""
+    """The prompts of one HTTP request (each with its `n` samples), running concurrently in
+    the engine; their outputs are merged into one stream of `(index, cumulative output)` in
+    arrival order, where `index` is the choice's: prompt * n + sample."""
 
-    def __init__(self, engine: Engine, requests: list[Request], metrics: ServerMetrics) -> None:
-        self.engine, self.requests, self.metrics = engine, requests, metrics
-        self.last: list[RequestOutput | None] = [None] * len(requests)
-        self.num_unfinished = len(requests)
+    def __init__(self, engine: Engine, groups: list[list[Request]],
+                 metrics: ServerMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.requests = [r for group in groups for r in group]
+        self.num_prompt_tokens = sum(len(group[0].prompt_token_ids) for group in groups)
+        self.last: list[RequestOutput | None] = [None] * len(self.requests)
+        self.num_unfinished = len(self.requests)
         self._pending: tuple[int, RequestOutput] | None = None
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, r), name=r.request_id)
-                       for i, r in enumerate(requests)]
-
-    async def _pump(self, index: int, request: Request) -> None:
+        streams: list[AsyncIterator[RequestOutput]] = []
         try:
-            async for out in self.engine.generate(list(request.prompt_token_ids),
-                                                  request.sampling, request.request_id):
+            for group in groups:
+                streams.extend(engine.submit_samples(group))
+        except Exception:
+            for request in self.requests[:len(streams)]:
+                engine.abort(request.request_id)
+            raise
+        self._tasks = [asyncio.create_task(self._pump(i, stream), name=r.request_id)
+                       for i, (r, stream) in enumerate(zip(self.requests, streams))]
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
                 self._queue.put_nowait((index, out))
         except Exception as exc:  # re-raised by next() in the handler, which maps it
             self._queue.put_nowait((index, exc))
@@ -219,8 +230,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"model {req.model!r} does not exist; served: {', '.join(names)}",
                            "model", 404, "model_not_found")
     cmpl_id = completion_id()
-    requests = _admit(app[ENGINE], req, cmpl_id)
-    run = BatchRun(app[ENGINE], requests, app[METRICS])
+    groups = _admit(app[ENGINE], req, cmpl_id)
+    run = BatchRun(app[ENGINE], groups, app[METRICS])
     app[RUNS].add(run)
     try:
         await run.start()
@@ -232,27 +243,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await run.close()
 
 
-def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[Request]:
-    """Validates every prompt against the engine before anything is submitted."""
-    prompts = prompts_of(req)
-    params = sampling_params(req)
+def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[list[Request]]:
+    """Validates every prompt against the engine before anything is submitted; returns
+    each prompt's `n` requests (sample i seeded with seed + i, as vLLM does)."""
+    prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts_of(req)]
     max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting + len(prompts) > max_waiting:
+    if engine.num_waiting + len(prompts) * req.n > max_waiting:
         raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
                            f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
-    out = []
+    groups = []
     for i, prompt in enumerate(prompts):
+        max_tokens = req.max_tokens or max(engine.max_seq_len - len(prompt), 1)
+        params = sampling_params(req, max_tokens)
         try:
-            out.append(engine.make_request(prompt, params, f"{cmpl_id}-{i}"))
+            groups.append([engine.make_request(prompt, _sample_params(params, j),
+                                               f"{cmpl_id}-{i}-{j}") for j in range(req.n)])
         except ValueError as exc:
-            param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
+            param = next((f for f in ("logit_bias", "max_tokens") if f in str(exc)), "prompt")
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise RequestError(f"{where}{exc}", param) from exc
-    return out
+    return groups
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None or index == 0:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)
 
 
 def _usage(run: BatchRun) -> Usage:
-    prompt = sum(len(r.prompt_token_ids) for r in run.requests)
+    prompt = run.num_prompt_tokens  # once per prompt, whatever n is
     completion = sum(len(o.token_ids) for o in run.last if o is not None)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
@@ -264,8 +284,7 @@ async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str) -> web.R
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
                                f"{failed[0][1]}", code="engine_error")
-    choices = [ChoiceBuilder(i, run.engine.tokenizer, req.logprobs is not None).delta(out)
-               for i, out in enumerate(outs)]
+    choices = [builder.delta(out) for builder, out in zip(_builders(req, run), outs)]
     body = Completion(id=cmpl_id, created=now(), model=req.model, choices=choices,
                       usage=_usage(run))
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
@@ -280,8 +299,7 @@ async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    builders = [ChoiceBuilder(i, run.engine.tokenizer, req.logprobs is not None)
-                for i in range(len(run.requests))]
+    builders = _builders(req, run)
     created = now()
     async for index, out in run.outputs():
         choice = builders[index].delta(out)
@@ -295,6 +313,16 @@ async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
     await resp.write(_sse(b"[DONE]"))
     await resp.write_eof()
     return resp
+
+
+def _builders(req: CompletionRequest, run: BatchRun) -> list[ChoiceBuilder]:
+    """One per choice; with `echo` each starts with its prompt (as sent, or decoded ids)."""
+    prompts = prompts_of(req)
+    tokenizer = run.engine.tokenizer
+    echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else ""
+              for p in prompts]
+    return [ChoiceBuilder(i, tokenizer, req.logprobs is not None, echoes[i // req.n])
+            for i in range(len(run.requests))]
 
 
 def _sse(data: bytes) -> bytes:
