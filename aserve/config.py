@@ -106,6 +106,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None  # bearer token required on every route but /health
     served_model_name: str | None = None  # name in /v1/models; defaults to the model
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    chat_template: str | None = None  # a Jinja file or built-in name; None: the checkpoint's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -275,10 +276,19 @@ def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                                                                     env))
     parser.add_argument("--max-body-bytes", type=int,
                         default=_env_default("max_body_bytes", s.max_body_bytes, env))
+    from aserve.chat import CHAT_TEMPLATES  # the registry of built-in template names
+
+    parser.add_argument(
+        "--chat-template", default=_env_default("chat_template", None, env),
+        metavar="FILE|NAME",
+        help="chat template for /v1/chat/completions: a Jinja file, or a built-in name ("
+             + ", ".join(CHAT_TEMPLATES) + "); default: the checkpoint's own template "
+             "(chat_template.jinja or tokenizer_config.json), else chat is refused with a 400")
 
 
 def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
     """The ServerConfig the parsed CLI arguments describe."""
     return ServerConfig(host=args.host, port=int(args.port), api_key=args.api_key or None,
                         served_model_name=args.served_model_name,
-                        max_body_bytes=int(args.max_body_bytes))
+                        max_body_bytes=int(args.max_body_bytes),
+                        chat_template=args.chat_template or None)

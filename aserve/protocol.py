@@ -10,7 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Literal, Protocol, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -21,6 +21,7 @@ MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
 PromptItem = str | int | list[int]  # an element of a prompt list: a token id or a batch entry
 Prompt = str | list[int]  # one prompt after normalisation
 MAX_N = 32  # most completions per prompt (`n`, `best_of`)
+T = TypeVar("T")
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)|(?:missing required|unknown) field `([A-Za-z_]+)`")
 
 
@@ -58,6 +59,13 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # id -> bias
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # vLLM: ids that end it
     user: str | None = None  # an end-user id for the client's records; not used
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The body of vLLM's `POST /v1/detokenize`."""
+
+    model: str | None = None  # the served model name; null: the served model
+    tokens: list[int]
 
 
 class Logprobs(msgspec.Struct, kw_only=True):
@@ -125,16 +133,21 @@ class RequestError(ValueError):
 
 def decode_request(body: bytes) -> CompletionRequest:
     """Parses and validates a JSON body; raises RequestError naming the bad field."""
+    req = decode_json(body, CompletionRequest)
+    check_supported(req)
+    return req
+
+
+def decode_json(body: bytes, type_: type[T]) -> T:
+    """`body` decoded as `type_`; raises RequestError naming the bad field."""
     try:
-        req = msgspec.json.decode(body, type=CompletionRequest)
+        return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise RequestError(f"invalid request: {exc}", param=param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"the body is not valid JSON: {exc}", param="body") from exc
     except RecursionError as exc:  # e.g. [[[[…]]]] thousands deep in a field that is skipped
         raise RequestError(f"the body is nested too deeply: {exc}", param="body") from exc
-    check_supported(req)
-    return req
 
 
 def check_supported(req: CompletionRequest) -> None:
@@ -243,6 +256,19 @@ def openapi_document(title: str, version: str) -> dict[str, object]:
             "paths": {"/v1/completions": completions, "/v1/models": plain, "/health": plain,
                       "/metrics": plain},
             "components": {"schemas": components}}
+
+
+class CompletionFormat:
+    """Choices in the completions shape (`ChatFormat` in aserve/chat.py is the chat one)."""
+
+    def body(self, cmpl_id: str, created: int, model: str, choices: list[Choice],
+             usage: Usage) -> bytes:
+        return msgspec.json.encode(Completion(id=cmpl_id, created=created, model=model,
+                                              choices=choices, usage=usage))
+
+    def chunk(self, cmpl_id: str, created: int, model: str, choices: list[Choice],
+              usage: Usage | None = None) -> bytes:
+        return self.body(cmpl_id, created, model, choices, usage)  # type: ignore[arg-type]
 
 
 class TokenDecoder(Protocol):

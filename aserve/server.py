@@ -14,116 +14,48 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from aserve.batch_run import BatchRun, admit, choice_builders
+from aserve.chat import (
+    NO_TEMPLATE,
+    ChatFormat,
+    ChatTemplate,
+    TokenizeRequest,
+    chat_id,
+    decode_chat_request,
+    load_chat_template,
+)
 from aserve.config import EngineConfig, ServerConfig
-from aserve.core import Request, RequestOutput, SamplingParams
-from aserve.engine import Engine
+from aserve.engine import Engine, model_config_is_preset
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
 from aserve.protocol import (
-    ChoiceBuilder,
-    Completion,
+    CompletionFormat,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
-    Usage,
     completion_id,
+    decode_json,
     decode_request,
     error_json,
     now,
     openapi_document,
-    prompts_of,
-    sampling_params,
 )
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503
 SHUTDOWN_TIMEOUT_S = 10.0  # seconds in-flight handlers get to end after SIGINT/SIGTERM
+PUBLIC_PATHS = ("/health", "/ping")  # liveness probes need no API key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ENGINE = web.AppKey("engine", Engine)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 METRICS = web.AppKey("metrics", ServerMetrics)
 MODEL_NAMES: web.AppKey[tuple[str, ...]] = web.AppKey("model_names")
-
-
-class BatchRun:
-    """The prompts of one HTTP request (each with its `n` samples), running concurrently in
-    the engine; their outputs are merged into one stream of `(index, cumulative output)` in
-    arrival order, where `index` is the choice's: prompt * n + sample."""
-
-    def __init__(self, engine: Engine, groups: list[list[Request]],
-                 metrics: ServerMetrics) -> None:
-        self.engine, self.metrics = engine, metrics
-        self.requests = [r for group in groups for r in group]
-        self.num_prompt_tokens = sum(len(group[0].prompt_token_ids) for group in groups)
-        self.last: list[RequestOutput | None] = [None] * len(self.requests)
-        self.num_unfinished = len(self.requests)
-        self._pending: tuple[int, RequestOutput] | None = None
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        streams: list[AsyncIterator[RequestOutput]] = []
-        try:
-            for group in groups:
-                streams.extend(engine.submit_samples(group))
-        except Exception:
-            for request in self.requests[:len(streams)]:
-                engine.abort(request.request_id)
-            raise
-        self._tasks = [asyncio.create_task(self._pump(i, stream), name=r.request_id)
-                       for i, (r, stream) in enumerate(zip(self.requests, streams))]
-
-    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                self._queue.put_nowait((index, out))
-        except Exception as exc:  # re-raised by next() in the handler, which maps it
-            self._queue.put_nowait((index, exc))
-
-    async def next(self) -> tuple[int, RequestOutput]:
-        index, item = await self._queue.get()
-        if isinstance(item, ValueError):
-            raise RequestError(str(item), "prompt") from item
-        if isinstance(item, Exception):
-            raise item
-        self.last[index] = item
-        if item.finished:
-            self.num_unfinished -= 1
-            self.metrics.observe_finished(item)
-        return index, item
-
-    async def start(self) -> None:
-        """Waits for the first output, so that submit errors (overload) surface before the
-        handler sends any header."""
-        self._pending = await self.next()
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            yield item
-        while self.num_unfinished:
-            yield await self.next()
-
-    async def wait_all(self) -> list[RequestOutput]:
-        async for _ in self.outputs():
-            pass
-        return [out for out in self.last if out is not None]
-
-    def abort(self) -> None:
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.engine.abort(request.request_id)
-
-    async def close(self) -> None:
-        """Cancels what still runs (generate() then aborts it in the engine) and counts it."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks)
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.metrics.observe_aborted(len(request.prompt_token_ids),
-                                             0 if out is None else len(out.token_ids))
+CHAT_TEMPLATE: web.AppKey[ChatTemplate | None] = web.AppKey("chat_template")
+ResponseFormat = CompletionFormat | ChatFormat
 
 
 RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
@@ -142,8 +74,15 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
     model = app[ENGINE].config.model.model
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
     app[RUNS] = set()
+    app[CHAT_TEMPLATE] = load_chat_template(server_config.chat_template,
+                                            _checkpoint_dir(engine_config.model.model))
     app.cleanup_ctx.append(_engine_lifetime)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/v1/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_route("*", "/ping", ping)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -208,9 +147,9 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer API key on every route but /health, compared in constant time."""
+    """Bearer API key on every route but PUBLIC_PATHS, compared in constant time."""
     key = request.app[SERVER_CONFIG].api_key
-    if key is None or request.path == "/health":
+    if key is None or request.path in PUBLIC_PATHS:
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
@@ -220,78 +159,71 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
-# -- /v1/completions -----------------------------------------------------------------------
+# -- /v1/completions and /v1/chat/completions ----------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`: validate everything, submit, then stream or collect."""
-    app = request.app
     req = decode_request(await request.read())
+    _check_model(request.app, req.model)
+    return await _serve(request, req, completion_id(), CompletionFormat())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/chat/completions`: render the messages with the chat template, then serve
+    the prompt's completion in the chat shape."""
+    chat = decode_chat_request(await request.read())
+    _check_model(request.app, chat.model)
+    template = request.app[CHAT_TEMPLATE]
+    if template is None:
+        raise RequestError(NO_TEMPLATE.format(model=chat.model), "messages", 400,
+                           "chat_template_missing")
+    prompt = _chat_prompt(request.app[ENGINE], template.render(
+        chat.messages, chat.add_generation_prompt))
+    return await _serve(request, chat.to_completion(prompt), chat_id(), ChatFormat())
+
+
+def _chat_prompt(engine: Engine, text: str) -> list[int]:
+    """The rendered chat's ids without an added BOS (as transformers tokenizes it with
+    add_special_tokens=False: the template writes the special tokens it wants)."""
+    ids = engine.tokenizer.encode(text)
+    return ids[1:] if engine.tokenizer.bos_token_id is not None else ids
+
+
+def _check_model(app: web.Application, model: str) -> None:
     names: tuple[str, ...] = app[MODEL_NAMES]
-    if req.model not in names:
-        raise RequestError(f"model {req.model!r} does not exist; served: {', '.join(names)}",
+    if model not in names:
+        raise RequestError(f"model {model!r} does not exist; served: {', '.join(names)}",
                            "model", 404, "model_not_found")
-    cmpl_id = completion_id()
-    groups = _admit(app[ENGINE], req, cmpl_id)
-    run = BatchRun(app[ENGINE], groups, app[METRICS])
+
+
+async def _serve(request: web.Request, req: CompletionRequest, cmpl_id: str,
+                 fmt: ResponseFormat) -> web.StreamResponse:
+    app = request.app
+    run = BatchRun(app[ENGINE], admit(app[ENGINE], req, cmpl_id), app[METRICS])
     app[RUNS].add(run)
     try:
         await run.start()
         if req.stream:
-            return await _stream(request, req, run, cmpl_id)
-        return await _collect(req, run, cmpl_id)
+            return await _stream(request, req, run, cmpl_id, fmt)
+        return await _collect(req, run, cmpl_id, fmt)
     finally:
         app[RUNS].discard(run)
         await run.close()
 
 
-def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[list[Request]]:
-    """Validates every prompt against the engine before anything is submitted; returns
-    each prompt's `n` requests (sample i seeded with seed + i, as vLLM does)."""
-    prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts_of(req)]
-    max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting + len(prompts) * req.n > max_waiting:
-        raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
-                           f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
-    groups = []
-    for i, prompt in enumerate(prompts):
-        max_tokens = req.max_tokens or max(engine.max_seq_len - len(prompt), 1)
-        params = sampling_params(req, max_tokens)
-        try:
-            groups.append([engine.make_request(prompt, _sample_params(params, j),
-                                               f"{cmpl_id}-{i}-{j}") for j in range(req.n)])
-        except ValueError as exc:
-            param = next((f for f in ("logit_bias", "max_tokens") if f in str(exc)), "prompt")
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise RequestError(f"{where}{exc}", param) from exc
-    return groups
-
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.seed is None or index == 0:
-        return params
-    return msgspec.structs.replace(params, seed=params.seed + index)
-
-
-def _usage(run: BatchRun) -> Usage:
-    prompt = run.num_prompt_tokens  # once per prompt, whatever n is
-    completion = sum(len(o.token_ids) for o in run.last if o is not None)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
-
-
-async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str) -> web.Response:
+async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str,
+                   fmt: ResponseFormat) -> web.Response:
     outs = await run.wait_all()
     failed = [(i, out.error) for i, out in enumerate(outs) if out.finish_reason == "error"]
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
                                f"{failed[0][1]}", code="engine_error")
-    choices = [builder.delta(out) for builder, out in zip(_builders(req, run), outs)]
-    body = Completion(id=cmpl_id, created=now(), model=req.model, choices=choices,
-                      usage=_usage(run))
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+    choices = [builder.delta(out) for builder, out in zip(choice_builders(req, run), outs)]
+    body = fmt.body(cmpl_id, now(), req.model, choices, run.usage)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
-                  cmpl_id: str) -> web.StreamResponse:
+                  cmpl_id: str, fmt: ResponseFormat) -> web.StreamResponse:
     """Server-sent events: one chunk per new text, `usage` if asked, then `[DONE]`.
 
     A client disconnect raises out of `write` (or cancels the handler); the caller's
@@ -299,30 +231,17 @@ async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    builders = _builders(req, run)
+    builders = choice_builders(req, run)
     created = now()
     async for index, out in run.outputs():
         choice = builders[index].delta(out)
         if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-            chunk = Completion(id=cmpl_id, created=created, model=req.model, choices=[choice])
-            await resp.write(_sse(msgspec.json.encode(chunk)))
+            await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [choice])))
     if req.stream_options is not None and req.stream_options.include_usage:
-        chunk = Completion(id=cmpl_id, created=created, model=req.model, choices=[],
-                           usage=_usage(run))
-        await resp.write(_sse(msgspec.json.encode(chunk)))
+        await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [], run.usage)))
     await resp.write(_sse(b"[DONE]"))
     await resp.write_eof()
     return resp
-
-
-def _builders(req: CompletionRequest, run: BatchRun) -> list[ChoiceBuilder]:
-    """One per choice; with `echo` each starts with its prompt (as sent, or decoded ids)."""
-    prompts = prompts_of(req)
-    tokenizer = run.engine.tokenizer
-    echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else ""
-              for p in prompts]
-    return [ChoiceBuilder(i, tokenizer, req.logprobs is not None, echoes[i // req.n])
-            for i in range(len(run.requests))]
 
 
 def _sse(data: bytes) -> bytes:
@@ -335,6 +254,49 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "aserve"}
             for name in request.app[MODEL_NAMES]]
     return web.json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /v1/tokenize`: the ids the server would run for a prompt (or a chat)."""
+    req = decode_json(await request.read(), TokenizeRequest)
+    _check_model(request.app, req.model or request.app[MODEL_NAMES][0])
+    engine = request.app[ENGINE]
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("send exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        template = request.app[CHAT_TEMPLATE]
+        if template is None:
+            raise RequestError(NO_TEMPLATE.format(model=req.model), "messages", 400,
+                               "chat_template_missing")
+        ids = _chat_prompt(engine, template.render(req.messages, req.add_generation_prompt))
+    else:
+        ids = engine.tokenizer.encode(req.prompt or "")
+        has_bos = engine.tokenizer.bos_token_id is not None
+        ids = ids if req.add_special_tokens or not has_bos else ids[1:]
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_seq_len,
+                              "tokens": ids, "token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /v1/detokenize`: the text of token ids."""
+    req = decode_json(await request.read(), DetokenizeRequest)
+    _check_model(request.app, req.model or request.app[MODEL_NAMES][0])
+    engine = request.app[ENGINE]
+    bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
+                           "tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    """`GET /version` (vLLM): the server's package version."""
+    return web.json_response({"version": _version()})
+
+
+async def ping(request: web.Request) -> web.Response:
+    """`GET|POST /ping` (vLLM, SageMaker): liveness, the same answer as /health."""
+    return await health(request)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -356,11 +318,19 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     """`GET /openapi.json`: generated from the msgspec request and response types."""
+    return web.json_response(openapi_document("AlignedServe", _version()))
+
+
+def _version() -> str:
     try:
-        version = importlib.metadata.version("aserve")
+        return importlib.metadata.version("aserve")
     except importlib.metadata.PackageNotFoundError:
-        version = "0"
-    return web.json_response(openapi_document("AlignedServe", version))
+        return "0"
+
+
+def _checkpoint_dir(model: str) -> str | None:
+    """The model's directory (where a chat template may be), None for a preset."""
+    return None if model_config_is_preset(model) else model
 
 
 # -- the process ---------------------------------------------------------------------------

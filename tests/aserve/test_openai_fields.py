@@ -125,3 +125,41 @@ async def test_langchain_default_body_is_accepted(client: TestClient) -> None:
                          presence_penalty=0, n=1, logit_bias={}, seed=None, logprobs=None,
                          best_of=1, user="u1", stream_options=None)
     assert len(out["choices"]) == 1
+
+
+@MODULE_LOOP
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+async def test_tokenize_and_detokenize_round_trip(client: TestClient,
+                                                  add_special_tokens: bool) -> None:
+    resp = await client.post("/v1/tokenize", json={"model": MODEL, "prompt": "héllo",
+                                                   "add_special_tokens": add_special_tokens})
+    assert resp.status == 200, await resp.text()
+    out = await resp.json()
+    body = [b + 4 for b in "héllo".encode()]
+    assert out["tokens"] == ([2] if add_special_tokens else []) + body
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_SEQ_LEN
+    resp = await client.post("/v1/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert (await resp.json()) == {"prompt": "héllo"}
+
+
+@MODULE_LOOP
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+    ("/v1/tokenize", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/tokenize", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ("/v1/detokenize", {"tokens": [99999]}, "tokens"),
+])
+async def test_tokenize_errors_name_the_field(client: TestClient, path: str,
+                                              body: dict[str, object], param: str) -> None:
+    resp = await client.post(path, json=body)
+    assert resp.status in (400, 404)
+    assert (await resp.json())["error"]["param"] == param
+
+
+@MODULE_LOOP
+async def test_version_and_ping(client: TestClient) -> None:
+    version = await (await client.get("/version")).json()
+    assert isinstance(version["version"], str) and version["version"]
+    for method in ("GET", "POST"):
+        resp = await client.request(method, "/ping")
+        assert resp.status == 200 and (await resp.json())["status"] == "ok"

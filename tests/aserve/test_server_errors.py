@@ -110,10 +110,16 @@ async def test_unknown_route_or_method_is_an_openai_error(client: TestClient, me
 
 
 @MODULE_LOOP
-@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/openapi.json"])
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/openapi.json", "/version"])
 async def test_every_route_but_health_needs_the_api_key(client: TestClient, path: str) -> None:
     assert (await client.get(path)).status == 401
     assert (await client.get(path, headers=AUTH)).status == 200
+
+
+@MODULE_LOOP
+@pytest.mark.parametrize("path", ["/health", "/ping"])
+async def test_liveness_probes_need_no_api_key(client: TestClient, path: str) -> None:
+    assert (await client.get(path)).status == 200
 
 
 JUNK: list[object] = [None, True, -1, 0, 1, 2.5, -1e308, 10**30, "", "x", "\u0000", [], [1],
