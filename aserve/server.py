@@ -70,9 +70,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
                           middlewares=[_error_middleware, _auth_middleware])
     app[ENGINE] = engine if engine is not None else Engine(engine_config)
     app[SERVER_CONFIG] = server_config
-    app[METRICS] = ServerMetrics()
     model = app[ENGINE].config.model.model
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
+    app[METRICS] = ServerMetrics(app[MODEL_NAMES][0])
     app[RUNS] = set()
     app[CHAT_TEMPLATE] = load_chat_template(server_config.chat_template,
                                             _checkpoint_dir(engine_config.model.model))
