@@ -21,6 +21,17 @@ STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+def _observe_request(out: RequestOutput, prompt_tokens: Counter, generation_tokens: Counter,
+                     ttft: Histogram, e2e: Histogram) -> None:
+    """Counts a finished request's tokens and observes its first-token and end latencies."""
+    prompt_tokens.inc(len(out.prompt_token_ids))
+    generation_tokens.inc(len(out.token_ids))
+    if out.first_token_time is not None:
+        ttft.observe(out.first_token_time - out.arrival_time)
+    if out.token_times:
+        e2e.observe(out.token_times[-1] - out.arrival_time)
+
+
 class VllmMetrics:
     """The series vLLM's dashboards read, with vLLM's names, labels and meanings.
 
@@ -63,14 +74,8 @@ class VllmMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.success.labels(self.model_name, out.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
-        times = out.token_times
-        if out.first_token_time is not None:
-            self.ttft.observe(out.first_token_time - out.arrival_time)
-        if times:
-            self.e2e.observe(times[-1] - out.arrival_time)
-        for before, after in zip(times, times[1:]):
+        _observe_request(out, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e)
+        for before, after in zip(out.token_times, out.token_times[1:]):
             self.tpot.observe(after - before)
 
     def update(self, stats: Mapping[str, object]) -> None:
@@ -127,13 +132,8 @@ class ServerMetrics:
         """Counts one finished request and its latencies (perf_counter times)."""
         self.vllm.observe_finished(out)
         self.finished.labels(out.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+        _observe_request(out, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e)
         times = out.token_times
-        if out.first_token_time is not None:
-            self.ttft.observe(out.first_token_time - out.arrival_time)
-        if times:
-            self.e2e.observe(times[-1] - out.arrival_time)
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
