@@ -6,12 +6,12 @@ how to provide one."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import requests
 from transformers import PreTrainedTokenizerFast
 
 from aserve.chat import CHAT_TEMPLATES, ChatMessage, ChatTemplate
@@ -71,6 +71,15 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer(directory, ZEPHYR)
 
 
+def tokenize(server: LiveServer, body: dict[str, object]) -> dict[str, object]:
+    """POST /v1/tokenize; returns the JSON answer (fails the test on an error status)."""
+    request = urllib.request.Request(
+        f"{server.url}/v1/tokenize", data=json.dumps(body).encode(), method="POST",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
 def serve(model: str, chat_template: str | None = None, name: str | None = None) -> LiveServer:
     server = LiveServer(make_config(model), ServerConfig(
         port=0, api_key=API_KEY, chat_template=chat_template, served_model_name=name))
@@ -109,16 +118,12 @@ def test_served_prompt_ids_equal_transformers(chat_server: LiveServer,
     hf = PreTrainedTokenizerFast.from_pretrained(chat_checkpoint)
     expected = hf.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
-    resp = requests.post(f"{chat_server.url}/v1/tokenize", json={"messages": MESSAGES},
-                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["tokens"] == expected
+    assert tokenize(chat_server, {"messages": MESSAGES})["tokens"] == expected
 
 
 def test_chat_answer_is_the_completion_of_the_rendered_prompt(
         client: openai.OpenAI, chat_server: LiveServer) -> None:
-    ids = requests.post(f"{chat_server.url}/v1/tokenize", json={"messages": MESSAGES},
-                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    ids = tokenize(chat_server, {"messages": MESSAGES})
     chat = client.chat.completions.create(model=CHAT_MODEL, messages=MESSAGES,  # type: ignore[arg-type]
                                           max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
