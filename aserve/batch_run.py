@@ -137,7 +137,7 @@ def choice_builders(req: CompletionRequest, run: BatchRun) -> list[ChoiceBuilder
     """One per choice; with `echo` each starts with its prompt (as sent, or decoded ids)."""
     prompts = prompts_of(req)
     tokenizer = run.engine.tokenizer
-    echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else ""
+    echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else None
               for p in prompts]
     return [ChoiceBuilder(i, tokenizer, req.logprobs is not None, echoes[i // req.n])
             for i in range(len(run.requests))]

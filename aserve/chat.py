@@ -281,7 +281,7 @@ def _chat_logprobs(logprobs: Logprobs | None) -> ChatLogprobs | None:
         return None
     return ChatLogprobs(content=[
         ChatLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-        for t, lp in zip(logprobs.tokens, logprobs.token_logprobs)])
+        for t, lp in zip(logprobs.tokens, logprobs.token_logprobs) if lp is not None])
 
 
 class ChatFormat:

@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request
     ignore_eos: bool = False  # keep going past EOS (benchmarks force output lengths)
     logprobs: bool = False  # return the log-probability of each chosen token
+    prompt_logprobs: bool = False  # return each prompt token's log-probability (echo)
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each generated token
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0: divides (multiplies if < 0) seen tokens' logits
@@ -160,6 +161,7 @@ class Sequence:
     instance: int = -1
     batch_id: int = -1
     output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (if asked)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
     forks: list[Sequence] = field(default_factory=list)  # samples of this prompt (n > 1)
@@ -267,6 +269,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (token 0 has none)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -353,6 +353,7 @@ def _output(seq: Sequence, detok: IncrementalDetokenizer, reason: str | None,
         token_ids=seq.output_token_ids, text=detok.text, finished=reason is not None,
         finish_reason=reason,  # type: ignore[arg-type]
         logprobs=list(seq.output_logprobs) if seq.sampling.logprobs else None,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.sampling.prompt_logprobs else None,
         arrival_time=seq.request.arrival_time,
         first_token_time=seq.token_times[0] if seq.token_times else None,
         token_times=list(seq.token_times), error=error)

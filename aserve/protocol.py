@@ -6,6 +6,7 @@ The same Struct validates a body and names the offending field in the 400; it al
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 import uuid
@@ -47,7 +48,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     ignore_eos: bool = False  # keep generating past EOS
     min_tokens: Annotated[int, Meta(ge=0)] = 0  # EOS and stop strings ignored before this
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # chosen-token logprobs
-    echo: bool = False  # the choice's text starts with the prompt
+    echo: bool = False  # the choice starts with the prompt (with logprobs: and its logprobs)
     stream: bool = False  # server-sent events, ending with `data: [DONE]`
     stream_options: StreamOptions | None = None  # only with stream=true
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions per prompt
@@ -70,11 +71,11 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 class Logprobs(msgspec.Struct, kw_only=True):
     """OpenAI's completions `logprobs` object. Only the chosen tokens' logprobs are known,
-    so `top_logprobs` is null; `text_offset` counts characters of the completion text (echo
-    is unsupported), as the running sum of the decoded token strings."""
+    so `top_logprobs` is null; `text_offset` counts characters of the choice's text (with
+    echo, from the prompt's start), as the running sum of the decoded token strings."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # null for the first prompt token (echo)
     top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int]
 
@@ -156,8 +157,6 @@ def check_supported(req: CompletionRequest) -> None:
         ("best_of", req.best_of not in (None, req.n),
          f"best_of ({req.best_of}) must be null or equal n ({req.n}): ranking more samples "
          "than are returned is not supported"),
-        ("echo", req.echo and req.logprobs is not None,
-         "echo with logprobs (prompt logprobs) is not supported; send one of them"),
         ("suffix", req.suffix is not None, "suffix is not supported"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options is only allowed with stream=true"),
@@ -200,6 +199,7 @@ def sampling_params(req: CompletionRequest, max_tokens: int) -> SamplingParams:
             top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, logprobs=req.logprobs is not None,
+            prompt_logprobs=req.echo and req.logprobs is not None,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias))
     except ValueError as exc:
@@ -283,7 +283,7 @@ class ChoiceBuilder:
     the chunks concatenate to the whole choice."""
 
     def __init__(self, index: int, tokenizer: TokenDecoder, has_logprobs: bool,
-                 echo: str = "") -> None:
+                 echo: str | None = None) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.has_logprobs = has_logprobs
@@ -295,14 +295,18 @@ class ChoiceBuilder:
     def delta(self, out: RequestOutput) -> Choice:
         text = out.text[self.num_chars:]
         self.num_chars = max(self.num_chars, len(out.text))
-        text, self.echo = self.echo + text, ""
         logprobs = self._logprobs(out) if self.has_logprobs else None
+        if self.echo is not None:
+            text = self.echo + text
+            if logprobs is not None:
+                logprobs = self._prompt_logprobs(out, logprobs)
+            self.echo = None
         return Choice(text=text, index=self.index, logprobs=logprobs,
                       finish_reason=out.finish_reason)
 
     def _logprobs(self, out: RequestOutput) -> Logprobs:
         token_ids = out.token_ids[self.num_tokens:]
-        token_logprobs = list((out.logprobs or [])[self.num_tokens:])
+        token_logprobs: list[float | None] = list((out.logprobs or [])[self.num_tokens:])
         tokens = [self.tokenizer.decode([t]) for t in token_ids]
         offsets = []
         for token in tokens:
@@ -310,3 +314,15 @@ class ChoiceBuilder:
             self.text_offset += len(token)
         self.num_tokens = len(out.token_ids)
         return Logprobs(tokens=tokens, token_logprobs=token_logprobs, text_offset=offsets)
+
+    def _prompt_logprobs(self, out: RequestOutput, logprobs: Logprobs) -> Logprobs:
+        """`logprobs` of the first delta preceded by the prompt's (echo): its first token
+        has none, as in OpenAI's and vLLM's answers."""
+        tokens = [self.tokenizer.decode([t]) for t in out.prompt_token_ids]
+        shift = sum(len(t) for t in tokens)
+        offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
+        self.text_offset += shift
+        return Logprobs(
+            tokens=tokens + logprobs.tokens,
+            token_logprobs=[None, *(out.prompt_logprobs or []), *logprobs.token_logprobs],
+            text_offset=offsets + [o + shift for o in logprobs.text_offset])

@@ -42,6 +42,7 @@ class WorkItem:
     seed: int | None
     step: int  # output tokens so far; seeded draws depend on (seed, step) only
     penalties: PenaltySettings | None = None  # logit bias and penalties; None = neutral
+    prompt_logprobs: PromptLogprobs | None = None  # where to write prompt logprobs, if asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,17 @@ class PenaltySettings:
     logit_bias: tuple[tuple[int, float], ...]
     token_ids: Sequence[int]  # prompt then output (the sequence's list, not copied)
     num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A sequence's prompt-logprob list, which a step computing prompt tokens fills in:
+    out[p] is log P(token p + 1 | tokens 0..p). Written by position, so a recompute after
+    preemption overwrites rather than appends."""
+
+    token_ids: Sequence[int]  # the sequence's tokens (its list, not copied)
+    num_prompt_tokens: int
+    out: list[float]  # the sequence's prompt_logprobs (written in the worker thread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,7 @@ class ModelRunner:
             input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
         if hidden is None:
             hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
+        self._prompt_logprobs(items, hidden, meta)
         sample_rows = [i for i, item in enumerate(items) if item.do_sample]
         token_ids: list[int | None] = [None] * len(items)
         logprobs: list[float | None] = [None] * len(items)
@@ -127,6 +140,24 @@ class ModelRunner:
                                     result.logprobs.tolist()):
                 token_ids[row], logprobs[row] = tok, lp
         return StepResult(token_ids, logprobs, time.perf_counter() - start_time)
+
+    def _prompt_logprobs(self, items: list[WorkItem], hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> None:
+        """Fills the prompt logprobs of the items that ask for them and compute prompt tokens
+        (those whose next token is a prompt token)."""
+        if all(item.prompt_logprobs is None for item in items):
+            return
+        starts = meta.query_start_loc.tolist()
+        for i, item in enumerate(items):
+            pl = item.prompt_logprobs
+            end = min(item.start + len(item.token_ids), pl.num_prompt_tokens - 1) if pl else 0
+            if pl is None or end <= item.start:
+                continue
+            rows = hidden[starts[i]:starts[i] + end - item.start]  # [n, d]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            next_ids = torch.tensor(pl.token_ids[item.start + 1:end + 1], device=self.device)
+            chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [n]
+            pl.out[item.start:end] = chosen.tolist()
 
     def _penalties(self, chosen: list[WorkItem]) -> Penalties | None:
         """The penalty tensors of the rows that have any; None when no row has."""

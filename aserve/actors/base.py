@@ -20,7 +20,7 @@ from aserve.core import SeqStatus, Sequence
 from aserve.kvspace import KVSpace
 from aserve.messages import Message, PoolSpace, Stop
 from aserve.outputs import Outputs
-from aserve.runner import ModelRunner, PenaltySettings, WorkItem
+from aserve.runner import ModelRunner, PenaltySettings, PromptLogprobs, WorkItem
 from scheduler import Policy, SeqView
 
 if TYPE_CHECKING:
@@ -134,6 +134,7 @@ class Actor:
                 continue
             if has_kv:
                 child.num_computed_tokens, child.status = num_cached, seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
             (forked if has_kv else unforked).append(child)
         seq.forks = []
         return forked, unforked
@@ -172,6 +173,8 @@ def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> Wor
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
             params.logit_bias, seq.token_ids, seq.num_prompt_tokens,
         ) if params.has_penalties else None,
+        prompt_logprobs=PromptLogprobs(seq.token_ids, seq.num_prompt_tokens,
+                                       seq.prompt_logprobs) if params.prompt_logprobs else None,
     )
 
 

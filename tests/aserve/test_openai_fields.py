@@ -5,6 +5,7 @@ behind aiohttp's test client; the byte tokenizer makes token effects readable in
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -163,3 +164,33 @@ async def test_version_and_ping(client: TestClient) -> None:
     for method in ("GET", "POST"):
         resp = await client.request(method, "/ping")
         assert resp.status == 200 and (await resp.json())["status"] == "ok"
+
+
+@MODULE_LOOP
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_logprobs_covers_prompt_and_completion(client: TestClient,
+                                                               stream: bool) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "echo": True, "logprobs": 0, "stream": stream}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    if stream:
+        chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                  if line.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks]
+        text = "".join(c["text"] for c in choices)
+        logprobs = {k: sum((c["logprobs"][k] for c in choices), []) for k in
+                    ("tokens", "token_logprobs", "text_offset")}
+    else:
+        choice = (await resp.json())["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    engine_out = await client.server.app[ENGINE].complete(
+        PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True,
+                               prompt_logprobs=True))
+    assert text == PROMPT + engine_out.text
+    assert logprobs["tokens"][0] == ""  # BOS decodes to nothing
+    assert "".join(logprobs["tokens"]) == text
+    assert logprobs["token_logprobs"] == [None, *engine_out.prompt_logprobs,
+                                          *engine_out.logprobs]
+    assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i])
+                                       for i in range(len(logprobs["tokens"]))]

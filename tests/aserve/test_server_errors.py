@@ -56,7 +56,6 @@ CASES: list[tuple[str, object, dict[str, str] | None, int, str | None, str]] = [
     ("mixed_prompt_list", ok(prompt=[5, "a"]), None, 400, "prompt", "prompt"),
     ("n_0", ok(n=0), None, 400, "n", "n"),
     ("n_over_max", ok(n=33), None, 400, "n", "<= 32"),
-    ("echo_with_logprobs", ok(echo=True, logprobs=1), None, 400, "echo", "echo"),
     ("best_of_over_n", ok(best_of=2), None, 400, "best_of", "best_of"),
     ("suffix", ok(suffix="x"), None, 400, "suffix", "suffix"),
     ("unknown_field", ok(top_a=0.5), None, 400, "top_a", "top_a"),
