@@ -107,19 +107,23 @@ class BatchRun:
 
 def admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[list[Request]]:
     """Validates every prompt against the engine before anything is submitted; returns
-    each prompt's `n` requests (sample i seeded with seed + i, as vLLM does)."""
+    each prompt's `best_of` (default `n`) requests, sample i seeded with seed + i (as vLLM).
+    Ranking samples (best_of > n) needs their logprobs, so they are always recorded then."""
     prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts_of(req)]
+    num_samples = num_samples_of(req)
     max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting + len(prompts) * req.n > max_waiting:
+    if engine.num_waiting + len(prompts) * num_samples > max_waiting:
         raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
                            f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
     groups = []
     for i, prompt in enumerate(prompts):
         max_tokens = req.max_tokens or max(engine.max_seq_len - len(prompt), 1)
         params = sampling_params(req, max_tokens)
+        if num_samples > req.n:
+            params = msgspec.structs.replace(params, logprobs=True)
         try:
             groups.append([engine.make_request(prompt, sample_params(params, j),
-                                               f"{cmpl_id}-{i}-{j}") for j in range(req.n)])
+                                               f"{cmpl_id}-{i}-{j}") for j in range(num_samples)])
         except ValueError as exc:
             param = next((f for f in ("logit_bias", "max_tokens") if f in str(exc)), "prompt")
             where = f"prompt {i}: " if len(prompts) > 1 else ""
@@ -133,11 +137,35 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=params.seed + index)
 
 
-def choice_builders(req: CompletionRequest, run: BatchRun) -> list[ChoiceBuilder]:
-    """One per choice; with `echo` each starts with its prompt (as sent, or decoded ids)."""
+def num_samples_of(req: CompletionRequest) -> int:
+    """Samples generated per prompt: `best_of` when given, else `n`."""
+    return req.best_of or req.n
+
+
+def best_samples(req: CompletionRequest, outs: list[RequestOutput]) -> list[int]:
+    """Indices into `outs` of the choices to return, in choice order: per prompt, the `n`
+    of its `best_of` samples with the highest mean logprob per token (OpenAI's rule); all
+    samples when best_of is not above n."""
+    num_samples = num_samples_of(req)
+    if num_samples == req.n:
+        return list(range(len(outs)))
+    chosen = []
+    for start in range(0, len(outs), num_samples):
+        group = range(start, start + num_samples)
+        score = {i: sum(outs[i].logprobs or ()) / max(len(outs[i].token_ids), 1) for i in group}
+        chosen.extend(sorted(group, key=lambda i: -score[i])[:req.n])
+    return chosen
+
+
+def choice_builders(req: CompletionRequest, run: BatchRun,
+                    kept: list[int] | None = None) -> list[ChoiceBuilder]:
+    """One per choice, for the requests `kept` (default all), indexed in that order; with
+    `echo` each starts with its prompt (as sent, or decoded ids)."""
     prompts = prompts_of(req)
     tokenizer = run.engine.tokenizer
     echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else None
               for p in prompts]
-    return [ChoiceBuilder(i, tokenizer, req.logprobs is not None, echoes[i // req.n])
-            for i in range(len(run.requests))]
+    num_samples = num_samples_of(req)
+    kept = list(range(len(run.requests))) if kept is None else kept
+    return [ChoiceBuilder(index, tokenizer, req.logprobs is not None,
+                          echoes[i // num_samples]) for index, i in enumerate(kept)]

@@ -52,7 +52,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     stream: bool = False  # server-sent events, ending with `data: [DONE]`
     stream_options: StreamOptions | None = None  # only with stream=true
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions per prompt
-    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # only null or n supported
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # samples to rank; >= n
     suffix: str | None = None  # unsupported: must be null
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0  # once per generated token
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0  # per occurrence in output
@@ -154,9 +154,10 @@ def decode_json(body: bytes, type_: type[T]) -> T:
 def check_supported(req: CompletionRequest) -> None:
     """Rejects fields we parse but do not implement, rather than ignoring them."""
     unsupported = [
-        ("best_of", req.best_of not in (None, req.n),
-         f"best_of ({req.best_of}) must be null or equal n ({req.n}): ranking more samples "
-         "than are returned is not supported"),
+        ("best_of", req.best_of is not None and req.best_of < req.n,
+         f"best_of ({req.best_of}) must be >= n ({req.n})"),
+        ("best_of", req.best_of is not None and req.best_of > req.n and req.stream,
+         "best_of > n cannot be streamed: the best samples are known only at the end"),
         ("suffix", req.suffix is not None, "suffix is not supported"),
         ("stream_options", req.stream_options is not None and not req.stream,
          "stream_options is only allowed with stream=true"),

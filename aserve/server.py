@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from aserve.batch_run import BatchRun, admit, choice_builders
+from aserve.batch_run import BatchRun, admit, best_samples, choice_builders
 from aserve.chat import (
     NO_TEMPLATE,
     ChatFormat,
@@ -217,7 +217,9 @@ async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str,
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
                                f"{failed[0][1]}", code="engine_error")
-    choices = [builder.delta(out) for builder, out in zip(choice_builders(req, run), outs)]
+    kept = best_samples(req, outs)
+    builders = choice_builders(req, run, kept)
+    choices = [builder.delta(outs[i]) for builder, i in zip(builders, kept)]
     body = fmt.body(cmpl_id, now(), req.model, choices, run.usage)
     return web.Response(body=body, content_type="application/json")
 

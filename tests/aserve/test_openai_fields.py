@@ -194,3 +194,16 @@ async def test_echo_with_logprobs_covers_prompt_and_completion(client: TestClien
                                           *engine_out.logprobs]
     assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i])
                                        for i in range(len(logprobs["tokens"]))]
+
+
+@MODULE_LOOP
+async def test_best_of_returns_the_n_most_likely_samples(client: TestClient) -> None:
+    body = dict(temperature=1.0, seed=3, max_tokens=6)
+    everything = (await complete(client, n=4, logprobs=0, **body))["choices"]
+    mean = [sum(c["logprobs"]["token_logprobs"]) / 6 for c in everything]
+    best = sorted(range(4), key=lambda i: -mean[i])[:2]
+    out = await complete(client, n=2, best_of=4, **body)
+    assert [c["text"] for c in out["choices"]] == [everything[i]["text"] for i in best]
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 4 * 6  # every sample generated counts
