@@ -10,7 +10,7 @@ import itertools
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal, Protocol, TypeVar
 
 import msgspec
@@ -23,10 +23,11 @@ PromptItem = str | int | list[int]  # an element of a prompt list: a token id or
 Prompt = str | list[int]  # one prompt after normalisation
 MAX_N = 32  # most completions per prompt (`n`, `best_of`)
 T = TypeVar("T")
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|(?:missing required|unknown) field `([A-Za-z_]+)`")
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")  # the top-level field of a nested error
+_FIELD = re.compile(r"(?:missing required|unknown) field `([A-Za-z_]+)`")  # at the top level
 
 
-class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`stream_options`: extra streaming behaviour."""
 
     include_usage: bool = False  # send a last chunk with `usage` and no choices
@@ -168,9 +169,10 @@ def check_supported(req: CompletionRequest) -> None:
 
 
 def param_of(message: str) -> str | None:
-    """The top-level field a msgspec error path (`... - at `$.field[0]``) points at."""
-    match = _PATH.search(message)
-    return (match.group(1) or match.group(2)) if match else None
+    """The top-level field a msgspec error path (`... - at `$.field[0]``) points at, else
+    the field a top-level error names."""
+    match = _PATH.search(message) or _FIELD.search(message)
+    return match.group(1) if match else None
 
 
 def prompts_of(req: CompletionRequest) -> list[Prompt]:
@@ -238,25 +240,41 @@ def error_json(message: str, type_: str, param: str | None = None,
         message=message, type=type_, param=param, code=code)))
 
 
-def openapi_document(title: str, version: str) -> dict[str, object]:
-    """An OpenAPI 3.1 description of the routes, with schemas generated from the Structs."""
-    (req_ref, resp_ref, err_ref), components = msgspec.json.schema_components(
-        [CompletionRequest, Completion, ErrorResponse], ref_template="#/components/schemas/{name}")
+def openapi_document(title: str, version: str,
+                     extra_requests: Sequence[tuple[str, type, str]] = ()) -> dict[str, object]:
+    """An OpenAPI 3.1 description of the routes, with schemas generated from the Structs.
+
+    `extra_requests`: (path, request Struct, summary) of the other POST routes (chat,
+    tokenize), described with their request schema and the shared error responses."""
+    types = [CompletionRequest, Completion, ErrorResponse, DetokenizeRequest,
+             *(t for _, t, _ in extra_requests)]
+    refs, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}")
+    req_ref, resp_ref, err_ref, detok_ref = refs[:4]
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": err_ref}}}
               for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
                            (404, "unknown model"), (413, "body too large"),
                            (503, "overloaded"))}
-    completions = {"post": {
-        "summary": "Create a completion (stream=true: server-sent events of Completion chunks)",
-        "requestBody": {"required": True, "content": {"application/json": {"schema": req_ref}}},
-        "responses": {"200": {"description": "the completion", "content": {
+
+    def post(summary: str, request_ref: object, response: Mapping[str, object]) -> object:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": request_ref}}}, "responses": {"200": response,
+                                                                        **errors}}}
+
+    ok = {"description": "OK"}
+    paths: dict[str, object] = {"/v1/completions": post(
+        "Create a completion (stream=true: server-sent events of Completion chunks)", req_ref,
+        {"description": "the completion", "content": {
             "application/json": {"schema": resp_ref},
-            "text/event-stream": {"schema": {"type": "string"}}}}, **errors}}}
-    plain = {"get": {"responses": {"200": {"description": "OK"}}}}
+            "text/event-stream": {"schema": {"type": "string"}}}}),
+        "/v1/detokenize": post("The text of token ids (vLLM)", detok_ref, ok)}
+    for (path, _, summary), ref in zip(extra_requests, refs[4:]):
+        paths[path] = post(summary, ref, ok)
+    plain = {"get": {"responses": {"200": ok}}}
+    for path in ("/v1/models", "/health", "/ping", "/version", "/metrics"):
+        paths[path] = plain
     return {"openapi": "3.1.0", "info": {"title": title, "version": version},
-            "paths": {"/v1/completions": completions, "/v1/models": plain, "/health": plain,
-                      "/metrics": plain},
-            "components": {"schemas": components}}
+            "paths": paths, "components": {"schemas": components}}
 
 
 class CompletionFormat:

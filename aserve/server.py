@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aserve.batch_run import BatchRun, admit, best_samples, choice_builders
 from aserve.chat import (
     NO_TEMPLATE,
+    ChatCompletionRequest,
     ChatFormat,
     ChatTemplate,
     TokenizeRequest,
@@ -320,7 +321,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     """`GET /openapi.json`: generated from the msgspec request and response types."""
-    return web.json_response(openapi_document("AlignedServe", _version()))
+    return web.json_response(openapi_document("AlignedServe", _version(), (
+        ("/v1/chat/completions", ChatCompletionRequest,
+         "Create a chat completion (stream=true: server-sent events of chunks)"),
+        ("/v1/tokenize", TokenizeRequest, "The token ids of a prompt or a chat (vLLM)"))))
 
 
 def _version() -> str:

@@ -19,6 +19,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 ALL_TOKENS = -1  # SamplingTensors.num_ranked: rank the whole vocab
 TOP_P_PREFILTER = 256  # tokens ranked first for rows with top-p but no top-k
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this, so that / temperature stays finite
 _MASK64 = (1 << 64) - 1
 
 
@@ -155,7 +156,9 @@ class Penalties:
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             presence=torch.tensor(presence, dtype=torch.float32, device=device),
             frequency=torch.tensor(frequency, dtype=torch.float32, device=device),
-            repetition=torch.tensor(repetition, dtype=torch.float32, device=device),
+            # NOTE: a penalty below float32's smallest normal (e.g. 1e-300) would round to 0
+            repetition=torch.tensor(repetition, dtype=torch.float32, device=device).clamp(
+                min=torch.finfo(torch.float32).tiny),
             output_counts=output_counts, is_seen=is_seen, bias=bias,
         )
 
@@ -166,7 +169,7 @@ class Penalties:
         x = torch.where(self.is_seen, torch.where(x < 0, x * rep, x / rep), x)
         x = x - self.frequency.unsqueeze(1) * self.output_counts
         x = x - self.presence.unsqueeze(1) * (self.output_counts > 0)
-        return logits.index_copy(0, self.rows, x)
+        return logits.index_copy(0, self.rows, x.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
 
 
 def _row_index(ids: Sequence[Sequence[int]], shape: tuple[int, int],

@@ -207,3 +207,15 @@ async def test_best_of_returns_the_n_most_likely_samples(client: TestClient) -> 
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["logprobs"] is None for c in out["choices"])
     assert out["usage"]["completion_tokens"] == 4 * 6  # every sample generated counts
+
+
+@MODULE_LOOP
+async def test_openapi_describes_the_new_routes(client: TestClient) -> None:
+    doc = await (await client.get("/openapi.json")).json()
+    for path in ("/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/version", "/ping"):
+        assert path in doc["paths"]
+    schemas = doc["components"]["schemas"]
+    assert {"messages", "max_completion_tokens", "logprobs"} <= set(
+        schemas["ChatCompletionRequest"]["properties"])
+    assert {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
+            "best_of", "echo"} <= set(schemas["CompletionRequest"]["properties"])

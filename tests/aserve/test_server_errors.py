@@ -60,6 +60,8 @@ CASES: list[tuple[str, object, dict[str, str] | None, int, str | None, str]] = [
     ("best_of_streamed", ok(best_of=2, stream=True), None, 400, "best_of", "stream"),
     ("suffix", ok(suffix="x"), None, 400, "suffix", "suffix"),
     ("unknown_field", ok(top_a=0.5), None, 400, "top_a", "top_a"),
+    ("unknown_stream_option", ok(stream=True, stream_options={"continuous_usage_stats": True}),
+     None, 400, "stream_options", "continuous_usage_stats"),
     ("presence_penalty_over_2", ok(presence_penalty=2.5), None, 400, "presence_penalty",
      "presence_penalty"),
     ("frequency_penalty_under_minus_2", ok(frequency_penalty=-3), None, 400,
