@@ -119,6 +119,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_request_prompts: int = 4096  # prompts in one request (400 past it)
     max_request_tokens: int = 1 << 20  # sum over a request's prompts of prompt + max_tokens
     health_details: bool = False  # /health names actors and errors to anyone (else: key only)
+    chat_template: str | None = None  # a Jinja file or built-in name; None: the checkpoint's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -400,6 +401,14 @@ def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         default=str(d("health_details", "")).lower() in ("1", "true", "yes"),
                         help="/health names the actors and their last errors to any caller "
                              "(off: only to callers with the API key)")
+    from aserve.chat import CHAT_TEMPLATES  # the registry of built-in template names
+
+    parser.add_argument(
+        "--chat-template", default=d("chat_template", None),
+        metavar="FILE|NAME",
+        help="chat template for /v1/chat/completions: a Jinja file, or a built-in name ("
+             + ", ".join(CHAT_TEMPLATES) + "); default: the checkpoint's own template "
+             "(chat_template.jinja or tokenizer_config.json), else chat is refused with a 400")
 
 
 def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
@@ -415,4 +424,5 @@ def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
                         max_connections=int(args.max_connections),
                         max_request_prompts=int(args.max_request_prompts),
                         max_request_tokens=int(args.max_request_tokens),
-                        health_details=bool(args.health_details))
+                        health_details=bool(args.health_details),
+                        chat_template=args.chat_template or None)

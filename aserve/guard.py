@@ -192,8 +192,10 @@ async def host_middleware(request: web.Request, handler: Handler) -> web.StreamR
 @web.middleware
 async def body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Before a handler sees a body: only JSON (415 otherwise, nothing read), only the chunked
-    transfer coding (501 otherwise), and the whole body within `body_timeout` (408)."""
-    if request.method not in BODY_METHODS or request.match_info.http_exception is not None:
+    transfer coding (501 otherwise), and the whole body within `body_timeout` (408). A request
+    without a body (`POST /ping`) has nothing to check."""
+    if (request.method not in BODY_METHODS or not request.body_exists
+            or request.match_info.http_exception is not None):
         return await handler(request)
     codings = [c.strip().lower() for v in request.headers.getall("Transfer-Encoding", ())
                for c in v.split(",")]

@@ -131,6 +131,29 @@ class KVSpace:
         seq.location = dst_name
         return True
 
+    async def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> bool:
+        """Gives `child` blocks in `parent`'s store holding a copy of the parent's first
+        `num_tokens` KV entries (n samples of one prompt share its prefill).
+
+        Returns False with nothing changed when the store is full. If the copy fails the
+        child's blocks are freed and the error propagates.
+        """
+        store = self.stores[parent.location]
+        assert not child.location, f"{child.seq_id} already holds KV in {child.location}"
+        dst_ids = store.allocator.allocate(child.seq_id, max(num_tokens, 1))
+        if dst_ids is None:
+            return False
+        src_ids = store.allocator.table(parent.seq_id)[: len(dst_ids)]
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.executor(store.name, store.name), _copy,
+                                       self._engine(store, store), store, src_ids, store, dst_ids)
+        except BaseException:
+            store.allocator.free(child.seq_id)
+            raise
+        child.location = store.name
+        return True
+
     def free_blocks(self, name: str) -> int:
         return self.stores[name].allocator.num_free
 

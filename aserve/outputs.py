@@ -73,6 +73,9 @@ class Outputs:
             return
         at = time.perf_counter() if at is None else at
         seq.status, seq.error = status, error
+        for child in seq.forks:  # samples that were to start from its prefill
+            self.finish(child, status, error, at)
+        seq.forks = []
         self.event(seq.seq_id, "finish", at)
         self.finish_requests.pop(seq.seq_id, None)
         self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))

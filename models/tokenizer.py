@@ -38,8 +38,9 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     vocab_size: int  # every id in [0, vocab_size) decodes without error
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS prepended (as HF's OPT tokenizer does)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer adds (BOS for OPT)
+        unless `add_special_tokens` is False (as in transformers)."""
         ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -65,9 +66,11 @@ class ByteTokenizer:
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [b + NUM_SPECIAL_IDS for b in text.encode("utf-8")]
-        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
+        if self.bos_token_id is None or not add_special_tokens:
+            return ids
+        return [self.bos_token_id, *ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
@@ -117,8 +120,8 @@ class HFTokenizer:
         content = _content(token)
         return None if content is None else self._tokenizer.token_to_id(content)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

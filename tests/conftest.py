@@ -33,6 +33,21 @@ def write_hf_checkpoint(path: Path, dtype: str = "float32", seed: int = 0,
     return write_hub_tokenizer(path)
 
 
+def write_bpe_tokenizer(directory: Path, corpus: list[str]) -> Path:
+    """A tiny byte-level BPE trained on `corpus`, saved as `directory`/tokenizer.json with
+    OPT's special tokens as ids 0..3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(corpus, trainer)
+    raw.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("opt-tiny-hf"))

@@ -20,7 +20,7 @@ from aserve.core import SeqStatus, Sequence
 from aserve.kvspace import KVSpace
 from aserve.messages import Message, PoolSpace, Stop
 from aserve.outputs import Outputs
-from aserve.runner import ModelRunner, WorkItem
+from aserve.runner import ModelRunner, PenaltySettings, PromptLogprobs, WorkItem
 from scheduler import Policy, SeqView
 
 if TYPE_CHECKING:
@@ -115,6 +115,30 @@ class Actor:
             self.finish(seq, SeqStatus.FINISHED_ERROR, self.record_error(exc))
             return False
 
+    async def spawn_forks(self, seq: Sequence) -> tuple[list[Sequence], list[Sequence]]:
+        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets a
+        copy of the prompt's KV but the last token, which it recomputes to draw its own first
+        token. Call before `seq`'s first token is appended (its KV may be freed then).
+
+        Returns (forks that hold KV, in `seq`'s status; forks the store had no room for,
+        to be prefilled on their own). A fork whose copy fails ends with an error.
+        """
+        forked: list[Sequence] = []
+        unforked: list[Sequence] = []
+        num_cached = seq.num_prompt_tokens - 1
+        for child in self.reap(seq.forks):
+            try:
+                has_kv = await self.ctx.kv.fork(seq, child, num_cached)
+            except Exception as exc:
+                self.finish(child, SeqStatus.FINISHED_ERROR, self.record_error(exc))
+                continue
+            if has_kv:
+                child.num_computed_tokens, child.status = num_cached, seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
+            (forked if has_kv else unforked).append(child)
+        seq.forks = []
+        return forked, unforked
+
     def reap(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finishes the sequences an abort or stop string asked to end, frees their blocks,
         and returns those still live, in order."""
@@ -145,6 +169,12 @@ def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> Wor
         top_k=params.top_k,
         seed=params.seed,
         step=seq.num_output_tokens,
+        penalties=PenaltySettings(
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.logit_bias, seq.token_ids, seq.num_prompt_tokens,
+        ) if params.has_penalties else None,
+        prompt_logprobs=PromptLogprobs(seq.token_ids, seq.num_prompt_tokens,
+                                       seq.prompt_logprobs) if params.prompt_logprobs else None,
     )
 
 

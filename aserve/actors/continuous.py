@@ -119,6 +119,9 @@ class ContinuousActor(Actor):
                 continue
             if was_prefill:
                 self.ctx.outputs.event(seq.seq_id, "prefill_end", end)
+                forked, unforked = await self.spawn_forks(seq)
+                self.running.extend(forked)
+                self.waiting.extendleft(reversed(unforked))
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.ctx.outputs.append_token(seq, token_id, logprob, end)

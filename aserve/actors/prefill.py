@@ -101,6 +101,9 @@ class PrefillActor(Actor):
             assert token_id is not None, "prefill of a whole sequence always samples"
             seq.num_computed_tokens = seq.num_tokens
             self.ctx.outputs.event(seq.seq_id, "prefill_end", end)
+            forked, unforked = await self.spawn_forks(seq)
+            self.blocked.extend(forked)
+            self.waiting.extendleft(reversed(unforked))
             self.ctx.outputs.append_token(seq, token_id, logprob, end)
             if seq.is_finished:
                 self.ctx.kv.release(seq)

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from models.tokenizer import (
     ByteTokenizer,
@@ -19,6 +17,7 @@ from models.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from tests.conftest import write_bpe_tokenizer
 
 UNICODE_TEXT = "Hé, 世界! 🙂👍🏽 naïve café — 你好"
 BYTES = ByteTokenizer(vocab_size=50272)
@@ -29,14 +28,7 @@ CORPUS = ["hello world, this is a tiny corpus", "héllo wörld 你好 世界 �
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny byte-level BPE saved as a checkpoint's tokenizer files."""
-    directory = tmp_path_factory.mktemp("tok")
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(CORPUS, trainer)
-    raw.save(str(directory / "tokenizer.json"))
+    directory = write_bpe_tokenizer(tmp_path_factory.mktemp("tok"), CORPUS)
     config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
               "add_bos_token": True}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -51,7 +51,7 @@ async def _probe(client: TestClient) -> tuple[float, float]:
     read from the engine's lifecycle events."""
     resp = await client.post("/v1/completions", json=_body([11, 12, 13]))
     assert resp.status == 200, await resp.text()
-    seq_id = f"{(await resp.json())['id']}-0"
+    seq_id = f"{(await resp.json())['id']}-0-0"  # prompt 0, sample 0
     engine: Engine = client.server.app[ENGINE]
     times = {e.kind: e.time for e in engine.events if e.seq_id == seq_id}
     return times["prefill_start"] - times["arrival"], times["finish"] - times["arrival"]
