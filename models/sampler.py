@@ -111,12 +111,12 @@ class Penalties:
     """
 
     rows: Tensor  # [num_rows] long: the batch rows these settings belong to
-    presence: Tensor  # [num_rows] float32, 0 = off
-    frequency: Tensor  # [num_rows] float32, 0 = off
-    repetition: Tensor  # [num_rows] float32, 1 = off
-    output_counts: Tensor  # [num_rows, vocab_size] float32: times each token was generated
-    is_seen: Tensor  # [num_rows, vocab_size] bool: the token is in the prompt or the output
-    bias: Tensor  # [num_rows, vocab_size] float32, added to the logits
+    bias: tuple[Tensor, Tensor, Tensor] | None  # (row, token id, bias) triples; None: no bias
+    repetition: Tensor | None  # [num_rows] float32, 1 = off; None: off in every row
+    is_seen: Tensor | None  # [num_rows, vocab_size] bool: in the prompt or the output
+    presence: Tensor | None  # [num_rows] float32, 0 = off; None with frequency: both off
+    frequency: Tensor | None  # [num_rows] float32, 0 = off
+    output_counts: Tensor | None  # [num_rows, vocab_size] float32: times each was generated
 
     @classmethod
     def from_lists(
@@ -131,7 +131,8 @@ class Penalties:
         vocab_size: int,
         device: torch.device | str,
     ) -> Penalties:
-        """Builds the count and bias tensors with one scatter per kind (no per-token loop).
+        """Builds the count and bias tensors with one scatter per kind (no per-token loop);
+        a kind that no row uses builds nothing and costs nothing in `apply`.
 
         Raises:
             ValueError: a list length differs, a penalty is out of range, or a token id is
@@ -145,30 +146,42 @@ class Penalties:
             if not (r > 0 and math.isfinite(r)):
                 raise ValueError(f"repetition[{i}] ({r}) must be a finite number > 0")
         shape = (num_rows, vocab_size)
-        output_counts = _counts(output_ids, shape, device)  # [num_rows, vocab_size]
-        is_seen = (_counts(prompt_ids, shape, device) + output_counts) > 0
-        bias_ids = [[t for t, _ in pairs] for pairs in logit_biases]
-        bias_values = [v for pairs in logit_biases for _, v in pairs]
-        bias = torch.zeros(shape, dtype=torch.float32, device=device)
-        bias.index_put_(_row_index(bias_ids, shape, device),
-                        torch.tensor(bias_values, dtype=torch.float32, device=device))
-        return cls(
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            presence=torch.tensor(presence, dtype=torch.float32, device=device),
-            frequency=torch.tensor(frequency, dtype=torch.float32, device=device),
+
+        def floats(values: Sequence[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        bias = None
+        if any(logit_biases):
+            index = _row_index([[t for t, _ in pairs] for pairs in logit_biases], shape, device)
+            bias = (*index, floats([v for pairs in logit_biases for _, v in pairs]))
+        is_seen = rep = None
+        if any(r != 1 for r in repetition):
+            is_seen = torch.zeros(shape, dtype=torch.bool, device=device)
+            for ids in (prompt_ids, output_ids):
+                is_seen.index_put_(_row_index(ids, shape, device), torch.tensor(True))
             # NOTE: a penalty below float32's smallest normal (e.g. 1e-300) would round to 0
-            repetition=torch.tensor(repetition, dtype=torch.float32, device=device).clamp(
-                min=torch.finfo(torch.float32).tiny),
-            output_counts=output_counts, is_seen=is_seen, bias=bias,
-        )
+            rep = floats(repetition).clamp(min=torch.finfo(torch.float32).tiny)
+        counts = pres = freq = None
+        if any(presence) or any(frequency):
+            counts = _counts(output_ids, shape, device)  # [num_rows, vocab_size]
+            pres, freq = floats(presence), floats(frequency)
+        return cls(rows=torch.tensor(rows, dtype=torch.long, device=device), bias=bias,
+                   repetition=rep, is_seen=is_seen, presence=pres, frequency=freq,
+                   output_counts=counts)
 
     def apply(self, logits: Tensor) -> Tensor:
         """`logits` ([num_seqs, vocab_size] float32) with these rows biased and penalised."""
-        x = logits.index_select(0, self.rows) + self.bias  # [num_rows, vocab_size]
-        rep = self.repetition.unsqueeze(1)  # [num_rows, 1]
-        x = torch.where(self.is_seen, torch.where(x < 0, x * rep, x / rep), x)
-        x = x - self.frequency.unsqueeze(1) * self.output_counts
-        x = x - self.presence.unsqueeze(1) * (self.output_counts > 0)
+        x = logits.index_select(0, self.rows)  # [num_rows, vocab_size]
+        if self.bias is not None:
+            rows, token_ids, values = self.bias
+            x.index_put_((rows, token_ids), values, accumulate=True)
+        if self.repetition is not None and self.is_seen is not None:
+            rep = self.repetition.unsqueeze(1)  # [num_rows, 1]
+            x = torch.where(self.is_seen, torch.where(x < 0, x * rep, x / rep), x)
+        if self.output_counts is not None and self.presence is not None:
+            assert self.frequency is not None, "presence and frequency are set together"
+            x = x - self.frequency.unsqueeze(1) * self.output_counts
+            x = x - self.presence.unsqueeze(1) * (self.output_counts > 0)
         return logits.index_copy(0, self.rows, x.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
 
 

@@ -46,4 +46,4 @@ def test_extreme_penalties_still_give_a_valid_token(repetition: float,
 
 def test_token_ids_outside_the_vocab_are_refused() -> None:
     with pytest.raises(ValueError, match="vocabulary"):
-        Penalties.from_lists([0], [0.0], [0.0], [1.0], [[VOCAB]], [[]], [()], VOCAB, "cpu")
+        Penalties.from_lists([0], [0.0], [0.0], [1.1], [[VOCAB]], [[]], [()], VOCAB, "cpu")
