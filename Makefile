@@ -28,14 +28,14 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/python -m pytest -q -s -m bench bench
+	$(BIN)/python -m pytest -q -s -m bench benchmarks
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m soak tests
 
 lint: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/ruff check aserve models scheduler transport sim bench tests
+	$(BIN)/ruff check aserve models scheduler transport sim bench benchmarks tests
 	$(BIN)/mypy aserve models scheduler transport
 
 clean:

@@ -24,7 +24,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "float32"  # one of DTYPES
     attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
     max_position_embeddings: int | None = None  # extend a preset's position table (tokens)
-    seed: int = 0  # seed of a preset's random weights
+    tokenizer: str | None = None  # a directory with tokenizer files, or "bytes" for the
+    # byte-level tokenizer; None: the checkpoint directory's own (a preset: byte-level)
+    weights_seed: int = 0  # seed of a preset's random weights (a checkpoint has its own)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, triton backends)
 
     def __post_init__(self) -> None:
@@ -106,23 +108,57 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None  # bearer token required on every route but /health
     served_model_name: str | None = None  # name in /v1/models; defaults to the model
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback and the bound
+    # address (421 otherwise); "*" accepts any
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser page may call from;
+    # empty: CORS off; "*" any
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's head
+    body_timeout: float = 30.0  # seconds a request's body may take once its head is in (408)
+    keepalive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 512  # open connections; past it a connection gets a 503 and closes
+    max_request_prompts: int = 4096  # prompts in one request (400 past it)
+    max_request_tokens: int = 1 << 20  # sum over a request's prompts of prompt + max_tokens
+    health_details: bool = False  # /health names actors and errors to anyone (else: key only)
+    chat_template: str | None = None  # a Jinja file or built-in name; None: the checkpoint's
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be >= 1024")
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be > 0 seconds")
+        for name in ("max_connections", "max_request_prompts", "max_request_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the engine needs; composed of one config per area."""
+class _FlatKeywords(msgspec.StructMeta):
+    """Lets `EngineConfig(model="opt-125m", dtype="bfloat16", policy="fcfs")` take the flat
+    keywords of `EngineConfig.create` (as vLLM's engine arguments are flat)."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        if args or all(k in _TOP_LEVEL or k in _AREAS and isinstance(v, msgspec.Struct)
+                       for k, v in kwargs.items()):
+            return super().__call__(*args, **kwargs)
+        return cls.create(**kwargs)  # type: ignore[attr-defined]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKeywords):
+    """Everything the engine needs; composed of one config per area.
+
+    Either by area (`EngineConfig(model=ModelConfig(...), cache=CacheConfig(...))`) or by
+    flat keywords, vLLM's names included (`EngineConfig(model="opt-125m", dtype="bfloat16",
+    policy="fcfs", max_num_seqs=64)`); see `create`.
+    """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
-    seed: int = 0  # engine-wide seed for unseeded sampling
+    seed: int = 0  # seeds the RNG that sampled requests without their own seed draw from
     trace_limit: int = 1_000_000  # lifecycle events / iteration records kept (oldest dropped)
     num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
 
@@ -142,10 +178,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
         """Builds a config from flat keyword arguments (`model=`, `policy=`, `block_size=`…),
-        routing each to its area; unknown names raise ValueError."""
-        areas: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        routing each to its area; vLLM's names (`VLLM_NAMES`, `enforce_eager`) are accepted.
+        An area object (`model=ModelConfig(...)`) is the base its flat keywords override.
+
+        Raises:
+            ValueError: an unknown name, or a value its config rejects.
+        """
+        bases: dict[str, msgspec.Struct] = {
+            "model": ModelConfig(), "cache": CacheConfig(), "scheduler": SchedulerConfig()}
+        areas: dict[str, dict[str, object]] = {area: {} for area in bases}
         top: dict[str, object] = {}
         for key, value in kwargs.items():
+            if key in bases and isinstance(value, msgspec.Struct):
+                bases[key] = value
+                continue
+            if key == "enforce_eager":
+                key, value = "cuda_graphs", not value
+            key = VLLM_NAMES.get(key, key)
             area = _AREA_OF.get(key)
             if area is None:
                 raise ValueError(f"unknown engine option {key!r}")
@@ -155,24 +204,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 top[key] = (top[key],)
             elif key in top:
                 top[key] = tuple(top[key])  # type: ignore[arg-type]
-        return cls(
-            model=ModelConfig(**areas["model"]),  # type: ignore[arg-type]
-            cache=CacheConfig(**areas["cache"]),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(**areas["scheduler"]),  # type: ignore[arg-type]
-            **top,  # type: ignore[arg-type]
-        )
+        built = {area: type(base)(**{**msgspec.structs.asdict(base), **areas[area]})
+                 for area, base in bases.items()}
+        return cls(**built, **top)  # type: ignore[arg-type]
 
 
 def _fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
     return struct.__struct_fields__
 
 
+_AREAS = ("model", "cache", "scheduler")  # EngineConfig's fields that are config objects
+_TOP_LEVEL = ("prefill_devices", "decode_devices", "seed", "trace_limit", "num_threads")
+VLLM_NAMES = {"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_prefill_tokens",
+              "max_model_len": "max_position_embeddings"}  # vLLM's name -> ours, same meaning
 _AREA_OF: dict[str, str] = {
     **{f: "model" for f in _fields(ModelConfig)},
     **{f: "cache" for f in _fields(CacheConfig)},
     **{f: "scheduler" for f in _fields(SchedulerConfig)},
-    **{f: "" for f in ("prefill_devices", "decode_devices", "seed", "trace_limit",
-                       "num_threads")},
+    **{f: "" for f in _TOP_LEVEL},
 }
 
 
@@ -182,43 +231,84 @@ def _env_default(name: str, default: object, env: Mapping[str, str]) -> object:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Adds the engine options to a CLI parser; each defaults to its ASERVE_* variable."""
-    m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
+    """Adds the engine options to a CLI parser; each defaults to its ASERVE_* variable.
+
+    Help texts leave the default to the parser's formatter (`HELP_FORMATTER`), which shows it.
+    """
+    from models.opt import PRESETS
+    from scheduler import POLICIES
+
+    m, c, s, e = ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()
     d = lambda n, v: _env_default(n, v, env)  # noqa: E731
-    parser.add_argument("--model", default=d("model", m.model))
-    parser.add_argument("--dtype", default=d("dtype", m.dtype), choices=DTYPES)
-    parser.add_argument("--attention", default=d("attention", m.attention))
-    parser.add_argument("--max-position-embeddings", type=int,
-                        default=d("max_position_embeddings", None))
-    parser.add_argument("--policy", default=d("policy", s.policy))
-    parser.add_argument("--prefill-device", dest="prefill_devices", action="append")
-    parser.add_argument("--decode-device", dest="decode_devices", action="append")
-    parser.add_argument("--block-size", type=int, default=d("block_size", c.block_size))
-    parser.add_argument("--num-decode-blocks", type=int,
-                        default=d("num_decode_blocks", c.num_decode_blocks))
-    parser.add_argument("--num-prefill-blocks", type=int,
-                        default=d("num_prefill_blocks", c.num_prefill_blocks))
-    parser.add_argument("--num-staging-blocks", type=int,
-                        default=d("num_staging_blocks", c.num_staging_blocks))
-    parser.add_argument("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb))
-    parser.add_argument("--max-batch-size", type=int,
-                        default=d("max_batch_size", s.max_batch_size))
-    parser.add_argument("--max-prefill-tokens", type=int,
-                        default=d("max_prefill_tokens", s.max_prefill_tokens))
-    parser.add_argument("--min-requests", type=int, default=d("min_requests", s.min_requests))
-    parser.add_argument("--max-waiting", type=int, default=d("max_waiting", s.max_waiting))
-    parser.add_argument("--max-spread", type=spread_arg,
-                        default=d("max_spread", s.max_spread),
-                        help="aligned: the longest/shortest prefix ratio an admission may "
-                             f"leave in the running batch (default {s.max_spread}; 'off': "
-                             "the paper's looser rules)")
-    parser.add_argument("--seed", type=int, default=d("seed", 0))
+    add = parser.add_argument
+    add("--model", default=d("model", m.model),
+        help=f"a preset with random weights ({', '.join(PRESETS)}) or a checkpoint directory "
+             "(config.json, weights, tokenizer files)")
+    add("--tokenizer", default=d("tokenizer", m.tokenizer),
+        help="a directory with tokenizer files (tokenizer.json, or vocab.json + merges.txt), "
+             "or 'bytes' for the byte-level tokenizer; None: the model directory's own "
+             "(presets: byte-level)")
+    add("--dtype", default=d("dtype", m.dtype), choices=DTYPES,
+        help="weights and KV cache dtype")
+    add("--attention", default=d("attention", m.attention), choices=ATTENTION_BACKENDS,
+        help="decode attention backend")
+    add("--max-model-len", "--max-position-embeddings", dest="max_position_embeddings",
+        type=int, metavar="TOKENS", default=d("max_position_embeddings", m.max_position_embeddings),
+        help="context limit in tokens: extends a preset's position table, caps a "
+             "checkpoint's; None: the model's own")
+    add("--policy", default=d("policy", s.policy), choices=sorted(POLICIES),
+        help="batching policy (docs/design.md §4)")
+    add("--prefill-device", dest="prefill_devices", action="append", metavar="DEVICE",
+        help="a prefill instance's device (cpu, cuda, cuda:N); repeat for several; None: "
+             "ASERVE_PREFILL_DEVICES (comma list), else cpu")
+    add("--decode-device", dest="decode_devices", action="append", metavar="DEVICE",
+        help="a decode instance's device; repeat for several; None: "
+             "ASERVE_DECODE_DEVICES (comma list), else cpu")
+    add("--block-size", type=int, default=d("block_size", c.block_size),
+        help="tokens per KV block")
+    add("--num-decode-blocks", type=int, default=d("num_decode_blocks", c.num_decode_blocks),
+        help="KV blocks of each decode instance")
+    add("--num-prefill-blocks", type=int,
+        default=d("num_prefill_blocks", c.num_prefill_blocks),
+        help="scratch KV blocks of each prefill instance")
+    add("--num-staging-blocks", type=int,
+        default=d("num_staging_blocks", c.num_staging_blocks),
+        help="candidate-buffer KV blocks on each prefill device")
+    add("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb),
+        help="host KV pool capacity (GiB)")
+    add("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, metavar="N",
+        default=d("max_batch_size", s.max_batch_size),
+        help="most sequences in one decode iteration")
+    add("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_prefill_tokens",
+        type=int, metavar="TOKENS", default=d("max_prefill_tokens", s.max_prefill_tokens),
+        help="token budget of one prefill (or mixed) step")
+    add("--min-requests", type=int, default=d("min_requests", s.min_requests),
+        help="density-first search: smallest batch that saturates the decode device")
+    add("--max-waiting", type=int, default=d("max_waiting", s.max_waiting),
+        help="requests waiting for prefill before new ones get HTTP 503")
+    add("--max-spread", type=spread_arg, default=d("max_spread", s.max_spread),
+        help="aligned: the longest/shortest prefix ratio an admission may leave in the "
+             "running batch ('off': the paper's looser rules)")
+    add("--seed", type=int, default=d("seed", e.seed),
+        help="seeds the RNG that sampled requests without their own seed draw from "
+             "(as vLLM's --seed)")
+    add("--weights-seed", type=int, default=d("weights_seed", m.weights_seed),
+        help="seed of a preset's random weights (a checkpoint has its own)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps descriptions as written and appends "(default: ...)" to every option's help."""
+
+
+HELP_FORMATTER = HelpFormatter
 
 
 _ENGINE_ARGS = (
-    "model", "dtype", "attention", "max_position_embeddings", "policy", "block_size",
-    "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks", "host_pool_gb",
-    "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting", "max_spread", "seed",
+    "model", "tokenizer", "dtype", "attention", "max_position_embeddings", "policy",
+    "block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
+    "host_pool_gb", "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting",
+    "max_spread", "seed", "weights_seed",
 )
 
 
@@ -228,6 +318,7 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
         **{f: t for f, t in _annotations(ModelConfig).items()},
         **{f: t for f, t in _annotations(CacheConfig).items()},
         **{f: t for f, t in _annotations(SchedulerConfig).items()},
+        **{f: t for f, t in _annotations(EngineConfig).items() if f in _TOP_LEVEL},
     }
     kwargs: dict[str, object] = {}
     for name in _ENGINE_ARGS:
@@ -268,17 +359,70 @@ def environ() -> Mapping[str, str]:
 def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds the HTTP server options; each defaults to its ASERVE_* variable."""
     s = ServerConfig()
-    parser.add_argument("--host", default=_env_default("host", s.host, env))
-    parser.add_argument("--port", type=int, default=_env_default("port", s.port, env))
-    parser.add_argument("--api-key", default=_env_default("api_key", None, env))
-    parser.add_argument("--served-model-name", default=_env_default("served_model_name", None,
-                                                                    env))
+    d = lambda n, v: _env_default(n, v, env)  # noqa: E731
+    parser.add_argument("--host", default=d("host", s.host),
+                        help="bind address (loopback unless asked otherwise)")
+    parser.add_argument("--port", type=int, default=d("port", s.port),
+                        help="TCP port (0: any free port)")
+    parser.add_argument("--api-key", default=d("api_key", None),
+                        help="bearer token required on every route but /health; None: open")
+    parser.add_argument("--served-model-name",
+                        default=d("served_model_name", None),
+                        help="the model's name in /v1/models and requests; None: --model")
     parser.add_argument("--max-body-bytes", type=int,
-                        default=_env_default("max_body_bytes", s.max_body_bytes, env))
+                        default=d("max_body_bytes", s.max_body_bytes),
+                        help="larger request bodies get HTTP 413")
+    parser.add_argument("--allowed-hosts", type=_split, default=d("allowed_hosts", ""),
+                        help="comma-separated Host names accepted besides loopback names and "
+                             "the bound address, '*' for any; others get 421")
+    parser.add_argument("--allowed-origins", type=_split, default=d("allowed_origins", ""),
+                        help="comma-separated origins (scheme://host[:port]) whose pages may "
+                             "call the API through CORS, '*' for any; none: CORS off")
+    parser.add_argument("--header-timeout", type=float, default=d("header_timeout",
+                                                                  s.header_timeout),
+                        help="seconds a connection may take to send a request's headers")
+    parser.add_argument("--body-timeout", type=float, default=d("body_timeout", s.body_timeout),
+                        help="seconds a request body may take once its headers are in; then 408")
+    parser.add_argument("--keepalive-timeout", type=float,
+                        default=d("keepalive_timeout", s.keepalive_timeout),
+                        help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--max-connections", type=int,
+                        default=d("max_connections", s.max_connections),
+                        help="open connections served at once; a connection past it gets 503 "
+                             "and is closed")
+    parser.add_argument("--max-request-prompts", type=int,
+                        default=d("max_request_prompts", s.max_request_prompts),
+                        help="prompts one request may carry; more get 400")
+    parser.add_argument("--max-request-tokens", type=int,
+                        default=d("max_request_tokens", s.max_request_tokens),
+                        help="prompt tokens plus max_tokens, summed over one request's "
+                             "prompts; more get 400")
+    parser.add_argument("--health-details", action="store_true",
+                        default=str(d("health_details", "")).lower() in ("1", "true", "yes"),
+                        help="/health names the actors and their last errors to any caller "
+                             "(off: only to callers with the API key)")
+    from aserve.chat import CHAT_TEMPLATES  # the registry of built-in template names
+
+    parser.add_argument(
+        "--chat-template", default=d("chat_template", None),
+        metavar="FILE|NAME",
+        help="chat template for /v1/chat/completions: a Jinja file, or a built-in name ("
+             + ", ".join(CHAT_TEMPLATES) + "); default: the checkpoint's own template "
+             "(chat_template.jinja or tokenizer_config.json), else chat is refused with a 400")
 
 
 def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
     """The ServerConfig the parsed CLI arguments describe."""
     return ServerConfig(host=args.host, port=int(args.port), api_key=args.api_key or None,
                         served_model_name=args.served_model_name,
-                        max_body_bytes=int(args.max_body_bytes))
+                        max_body_bytes=int(args.max_body_bytes),
+                        allowed_hosts=tuple(args.allowed_hosts),
+                        allowed_origins=tuple(args.allowed_origins),
+                        header_timeout=float(args.header_timeout),
+                        body_timeout=float(args.body_timeout),
+                        keepalive_timeout=float(args.keepalive_timeout),
+                        max_connections=int(args.max_connections),
+                        max_request_prompts=int(args.max_request_prompts),
+                        max_request_tokens=int(args.max_request_tokens),
+                        health_details=bool(args.health_details),
+                        chat_template=args.chat_template or None)

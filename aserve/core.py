@@ -29,6 +29,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request
     ignore_eos: bool = False  # keep going past EOS (benchmarks force output lengths)
     logprobs: bool = False  # return the log-probability of each chosen token
+    prompt_logprobs: bool = False  # return each prompt token's log-probability (echo)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each generated token
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: divides (multiplies if < 0) seen tokens' logits
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,6 +50,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_k ({self.top_k}) must be -1 (off) or in [0, {MAX_INT64}]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} ({value}) must be in [-2, 2]")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty ({self.repetition_penalty}) must be a "
+                             "finite number > 0")
+        for token_id, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias ({bias} for token {token_id}) must be in "
+                                 "[-100, 100]")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any logit bias or penalty that changes the logits."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or (
+            self.frequency_penalty != 0 or self.repetition_penalty != 1)
 
     @property
     def is_greedy(self) -> bool:
@@ -139,8 +161,11 @@ class Sequence:
     instance: int = -1
     batch_id: int = -1
     output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (if asked)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    forks: list[Sequence] = field(default_factory=list)  # samples of this prompt (n > 1)
+    # waiting for this sequence's prefill; they start from a copy of its KV
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
@@ -244,6 +269,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # of prompt tokens 1.. (token 0 has none)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

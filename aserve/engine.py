@@ -71,14 +71,20 @@ class Engine:
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
+        # NOTE: as vLLM's `seed`: sampled requests without a seed of their own draw from the
+        # global RNG, so a run repeats when its requests are batched the same way.
+        torch.manual_seed(cfg.seed)
         runners: dict[str, ModelRunner] = {}
         for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
             runners[dev] = await asyncio.to_thread(
                 self._runner_factory, cfg.model, torch.device(dev), cfg.cache.block_size)
         model_config = next(iter(runners.values())).model_config
+        default_source = None if model_config_is_preset(cfg.model.model) else cfg.model.model
         self.tokenizer = load_tokenizer(
-            None if model_config_is_preset(cfg.model.model) else cfg.model.model,
+            cfg.model.tokenizer or default_source,
             model_config.vocab_size, model_config.eos_token_id, model_config.bos_token_id)
+        max_len = min(model_config.max_position_embeddings,  # a checkpoint capped by config
+                      cfg.model.max_position_embeddings or model_config.max_position_embeddings)
         geometry = KVGeometry(model_config.num_layers, model_config.num_heads,
                               model_config.head_dim, cfg.cache.block_size,
                               resolve_dtype(cfg.model.dtype))
@@ -91,7 +97,7 @@ class Engine:
         self.ctx = EngineContext(cfg, kv, runners, policy,  # type: ignore[arg-type]
                                  Lifecycle(kv, model_config.eos_token_id,
                                            trace_limit=cfg.trace_limit),
-                                 model_config.max_position_embeddings)
+                                 max_len)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
         self._build_actors(self.ctx)
@@ -168,16 +174,32 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
-        if total > ctx.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {total} exceeds the model's context ({ctx.max_model_len})")
+        if total > ctx.max_model_len:  # NOTE: the message starts with the field to blame
+            field = "prompt" if len(ids) >= ctx.max_model_len else "max_tokens"
+            raise ValueError(f"{field}: prompt ({len(ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds the model's context "
+                             f"({ctx.max_model_len})")
         self._check_fits(len(ids), total)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in flight")
         return Request(request_id=rid, prompt_token_ids=tuple(ids), sampling=params,
                        arrival_time=time.perf_counter())
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the model's context,
+        or less when a KV store is smaller."""
+        ctx, cache = self._context, self.config.cache
+        blocks = [cache.num_decode_blocks]
+        if ctx.policy.uses_pool:
+            blocks.append(cache.num_prefill_blocks)
+        return min(ctx.max_model_len, min(blocks) * cache.block_size)
 
     def _check_fits(self, prompt_len: int, total: int) -> None:
         cache, kv = self.config.cache, self._context.kv
@@ -197,36 +219,60 @@ class Engine:
         an inbox (the actor busy with a forward pass) wait too, and a burst must see them."""
         return sum(1 for seq in self._live.values() if seq.status == SeqStatus.WAITING)
 
-    def submit(self, request: Request) -> asyncio.Queue[StepOutput]:
-        """Hands a validated request to the engine; returns its output queue."""
+    def submit(self, request: Request, is_admitted: bool = False) -> asyncio.Queue[StepOutput]:
+        """Hands a validated request to the engine; returns its output queue.
+
+        `is_admitted`: the front end admitted it already (a later slice of a batch), so the
+        `max_waiting` bound on new requests does not refuse it."""
+        return self._submit([request], is_admitted)[0][1]
+
+    def submit_samples(self, requests: list[Request],
+                       is_admitted: bool = False) -> list[AsyncIterator[RequestOutput]]:
+        """Submits independent samples of one prompt (`n > 1`) that share its prefill: the
+        first request is prefilled, the others start from a copy of its KV. Returns their
+        output streams (as `generate`'s), in order."""
+        return [self._stream(seq, queue) for seq, queue in self._submit(requests, is_admitted)]
+
+    def _submit(self, requests: list[Request], is_admitted: bool = False
+                ) -> list[tuple[Sequence, asyncio.Queue[StepOutput]]]:
         ctx = self._context
         if not self.is_running:
             raise EngineError("the engine is stopped")
         if any(task.done() for task in self._tasks):
             raise EngineError("an engine actor has died; see /health")
-        if self.num_waiting >= self.config.scheduler.max_waiting:
+        if not is_admitted and self.num_waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting "
                                    f"(max_waiting={self.config.scheduler.max_waiting})")
-        seq = Sequence.from_request(request)
-        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        ctx.outputs.queues[seq.seq_id] = queue
-        self._live[seq.seq_id] = seq
-        ctx.outputs.event(seq.seq_id, "arrival", request.arrival_time)
+        prompt = requests[0].prompt_token_ids
+        assert all(r.prompt_token_ids == prompt for r in requests), "samples share one prompt"
+        seqs = [Sequence.from_request(r) for r in requests]
+        queues: list[asyncio.Queue[StepOutput]] = []
+        for seq in seqs:
+            queues.append(asyncio.Queue())
+            ctx.outputs.queues[seq.seq_id] = queues[-1]
+            self._live[seq.seq_id] = seq
+            ctx.outputs.event(seq.seq_id, "arrival", seq.request.arrival_time)
+        seqs[0].forks = seqs[1:]
         actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
         target = min(actors, key=lambda a: a.core.num_waiting_tokens)  # type: ignore[attr-defined]
-        target.send(Submit(seq))
-        return queue
+        target.send(Submit(seqs[0]))
+        return list(zip(seqs, queues))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       is_admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Streams a request's output as tokens come; the last output has finished=True.
 
         Leaving the loop early (or a client disconnect) aborts the request."""
-        params = params or SamplingParams()
-        request = self.make_request(prompt, params, request_id)
-        queue = self.submit(request)
-        seq = self._live[request.request_id]
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        request = self.make_request(prompt, params or SamplingParams(), request_id)
+        async for out in self._stream(*self._submit([request], is_admitted)[0]):
+            yield out
+
+    async def _stream(self, seq: Sequence,
+                      queue: asyncio.Queue[StepOutput]) -> AsyncIterator[RequestOutput]:
+        """The outputs of a submitted sequence, from its queue (see `generate`)."""
+        detok = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids,
+                                       seq.sampling.stop)
         finished = False
         try:
             while not finished:
@@ -245,7 +291,7 @@ class Engine:
                     yield _output(seq, detok, reason, out.error)
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(seq.seq_id)
 
     def _on_finish(self, seq: Sequence) -> None:
         self._live.pop(seq.seq_id, None)
@@ -323,6 +369,7 @@ def _output(seq: Sequence, detok: IncrementalDetokenizer, reason: str | None,
         token_ids=seq.output_token_ids, text=detok.text, finished=reason is not None,
         finish_reason=reason,  # type: ignore[arg-type]
         logprobs=list(seq.output_logprobs) if seq.sampling.logprobs else None,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.sampling.prompt_logprobs else None,
         arrival_time=seq.request.arrival_time,
         first_token_time=seq.token_times[0] if seq.token_times else None,
         token_times=list(seq.token_times), error=error)

@@ -1,5 +1,7 @@
 """Prometheus metrics of one server: a per-app registry, filled from finished requests and
-from the engine's stats and iteration records when /metrics is scraped.
+from the engine's stats and iteration records when /metrics is scraped. The main series are
+exported under vLLM's names as well (`vllm:*`, labelled by model_name), so dashboards built
+for vLLM work unchanged.
 
 Reads the engine; never changes it.
 """
@@ -19,12 +21,80 @@ STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+def _observe_request(out: RequestOutput, prompt_tokens: Counter, generation_tokens: Counter,
+                     ttft: Histogram, e2e: Histogram) -> None:
+    """Counts a finished request's tokens and observes its first-token and end latencies."""
+    prompt_tokens.inc(len(out.prompt_token_ids))
+    generation_tokens.inc(len(out.token_ids))
+    if out.first_token_time is not None:
+        ttft.observe(out.first_token_time - out.arrival_time)
+    if out.token_times:
+        e2e.observe(out.token_times[-1] - out.arrival_time)
+
+
+class VllmMetrics:
+    """The series vLLM's dashboards read, with vLLM's names, labels and meanings.
+
+    `gpu_cache_usage_perc` is the decode tier's KV usage (where requests run; on a CPU too)
+    and `cpu_cache_usage_perc` the host pool's, as vLLM v0 named its two tiers;
+    `time_per_output_token_seconds` observes every gap between two tokens of a request."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry,
+                             buckets=sorted(set(buckets))).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in prefill or decode")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for prefill")
+        self.gpu_cache = gauge("vllm:gpu_cache_usage_perc",
+                               "Fraction of the decode KV cache in use (1 = full)")
+        self.kv_cache = gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of the decode KV cache in use (vLLM v1's name)")
+        self.cpu_cache = gauge("vllm:cpu_cache_usage_perc",
+                               "Fraction of the host KV pool in use (1 = full)")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.success = Counter("vllm:request_success", "Finished requests by reason",
+                               labelnames=["model_name", "finished_reason"], registry=registry)
+        self.model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token",
+                              LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Time between two output tokens", STEP_BUCKETS + LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
+                             LATENCY_BUCKETS)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.success.labels(self.model_name, out.finish_reason or "abort").inc()
+        _observe_request(out, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e)
+        for before, after in zip(out.token_times, out.token_times[1:]):
+            self.tpot.observe(after - before)
+
+    def update(self, stats: Mapping[str, object]) -> None:
+        self.running.set(int(stats["running"]))  # type: ignore[call-overload]
+        self.waiting.set(int(stats["waiting"]))  # type: ignore[call-overload]
+        kv: Mapping[str, tuple[int, int]] = stats["kv"]  # type: ignore[assignment]
+        for gauge, location in ((self.gpu_cache, "decode"), (self.kv_cache, "decode"),
+                                (self.cpu_cache, "host")):
+            used, total = kv.get(location, (0, 0))
+            gauge.set(used / total if total else 0.0)
+
+
 class ServerMetrics:
     """Every metric of one app, in its own `CollectorRegistry` (apps never share series)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name)
         self.running = Gauge("aserve_requests_running", "Requests in prefill or decode",
                              registry=r)
         self.waiting = Gauge("aserve_requests_waiting", "Requests waiting for prefill",
@@ -60,14 +130,10 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Counts one finished request and its latencies (perf_counter times)."""
+        self.vllm.observe_finished(out)
         self.finished.labels(out.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+        _observe_request(out, self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e)
         times = out.token_times
-        if out.first_token_time is not None:
-            self.ttft.observe(out.first_token_time - out.arrival_time)
-        if times:
-            self.e2e.observe(times[-1] - out.arrival_time)
         if len(times) > 1:
             self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
@@ -76,11 +142,15 @@ class ServerMetrics:
         self.finished.labels("abort").inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated)
+        self.vllm.success.labels(self.vllm.model_name, "abort").inc()
+        self.vllm.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm.generation_tokens.inc(num_generated)
 
     def update(self, stats: Mapping[str, object], iterations: Sequence[IterationRecord],
                num_dropped: int = 0) -> None:
         """Sets the gauges from `engine.stats()` and observes iterations not yet seen;
         `num_dropped` is the absolute index of iterations[0] (the engine trims old ones)."""
+        self.vllm.update(stats)
         self.running.set(int(stats["running"]))  # type: ignore[call-overload]
         self.waiting.set(int(stats["waiting"]))  # type: ignore[call-overload]
         kv: Mapping[str, tuple[int, int]] = stats["kv"]  # type: ignore[assignment]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -21,7 +22,7 @@ from aserve.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM
-from models.sampler import SamplingTensors, sample
+from models.sampler import Penalties, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +41,31 @@ class WorkItem:
     top_k: int
     seed: int | None
     step: int  # output tokens so far; seeded draws depend on (seed, step) only
+    penalties: PenaltySettings | None = None  # logit bias and penalties; None = neutral
+    prompt_logprobs: PromptLogprobs | None = None  # where to write prompt logprobs, if asked
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltySettings:
+    """A sequence's logit bias and penalties, and the tokens they count."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    logit_bias: tuple[tuple[int, float], ...]
+    token_ids: Sequence[int]  # prompt then output (the sequence's list, not copied)
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A sequence's prompt-logprob list, which a step computing prompt tokens fills in:
+    out[p] is log P(token p + 1 | tokens 0..p). Written by position, so a recompute after
+    preemption overwrites rather than appends."""
+
+    token_ids: Sequence[int]  # the sequence's tokens (its list, not copied)
+    num_prompt_tokens: int
+    out: list[float]  # the sequence's prompt_logprobs (written in the worker thread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +90,7 @@ class ModelRunner:
         self.model: OPTForCausalLM
         self.model_config: OPTConfig
         self.model, self.model_config = load_model(
-            config.model, config.dtype, device, seed=config.seed,
+            config.model, config.dtype, device, seed=config.weights_seed,
             max_position_embeddings=config.max_position_embeddings,
         )
         self.model.eval()
@@ -95,6 +121,7 @@ class ModelRunner:
             input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
         if hidden is None:
             hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
+        self._prompt_logprobs(items, hidden, meta)
         sample_rows = [i for i, item in enumerate(items) if item.do_sample]
         token_ids: list[int | None] = [None] * len(items)
         logprobs: list[float | None] = [None] * len(items)
@@ -106,13 +133,43 @@ class ModelRunner:
             st = SamplingTensors.from_lists(
                 [c.temperature for c in chosen], [c.top_p for c in chosen],
                 [c.top_k for c in chosen], [c.seed for c in chosen], self.device,
-                step_offsets=[c.step for c in chosen],
+                step_offsets=[c.step for c in chosen], penalties=self._penalties(chosen),
             )
             result = sample(logits, st)
             for row, tok, lp in zip(sample_rows, result.token_ids.tolist(),
                                     result.logprobs.tolist()):
                 token_ids[row], logprobs[row] = tok, lp
         return StepResult(token_ids, logprobs, time.perf_counter() - start_time)
+
+    def _prompt_logprobs(self, items: list[WorkItem], hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> None:
+        """Fills the prompt logprobs of the items that ask for them and compute prompt tokens
+        (those whose next token is a prompt token)."""
+        if all(item.prompt_logprobs is None for item in items):
+            return
+        starts = meta.query_start_loc.tolist()
+        for i, item in enumerate(items):
+            pl = item.prompt_logprobs
+            end = min(item.start + len(item.token_ids), pl.num_prompt_tokens - 1) if pl else 0
+            if pl is None or end <= item.start:
+                continue
+            rows = hidden[starts[i]:starts[i] + end - item.start]  # [n, d]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            next_ids = torch.tensor(pl.token_ids[item.start + 1:end + 1], device=self.device)
+            chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [n]
+            pl.out[item.start:end] = chosen.tolist()
+
+    def _penalties(self, chosen: list[WorkItem]) -> Penalties | None:
+        """The penalty tensors of the rows that have any; None when no row has."""
+        rows = [i for i, c in enumerate(chosen) if c.penalties is not None]
+        if not rows:
+            return None
+        ps = [p for c in chosen if (p := c.penalties) is not None]
+        return Penalties.from_lists(
+            rows, [p.presence for p in ps], [p.frequency for p in ps],
+            [p.repetition for p in ps], [p.token_ids[:p.num_prompt_tokens] for p in ps],
+            [p.token_ids[p.num_prompt_tokens:] for p in ps], [p.logit_bias for p in ps],
+            self.model_config.vocab_size, self.device)
 
     def _prepare(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata]:

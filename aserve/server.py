@@ -14,105 +14,51 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from aserve import guard
+from aserve.batch_run import BatchRun, admit, best_samples, choice_builders
+from aserve.chat import (
+    NO_TEMPLATE,
+    ChatCompletionRequest,
+    ChatFormat,
+    ChatTemplate,
+    TokenizeRequest,
+    chat_id,
+    decode_chat_request,
+    load_chat_template,
+)
 from aserve.config import EngineConfig, ServerConfig
-from aserve.core import Request, RequestOutput
-from aserve.engine import Engine
+from aserve.engine import Engine, model_config_is_preset
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
 from aserve.protocol import (
-    ChoiceBuilder,
-    Completion,
+    CompletionFormat,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
-    Usage,
+    clip,
     completion_id,
+    decode_json,
     decode_request,
     error_json,
     now,
     openapi_document,
-    prompts_of,
-    sampling_params,
 )
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503
 SHUTDOWN_TIMEOUT_S = 10.0  # seconds in-flight handlers get to end after SIGINT/SIGTERM
+PUBLIC_PATHS = ("/health", "/ping")  # liveness probes need no API key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ENGINE = web.AppKey("engine", Engine)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 METRICS = web.AppKey("metrics", ServerMetrics)
 MODEL_NAMES: web.AppKey[tuple[str, ...]] = web.AppKey("model_names")
-
-
-class BatchRun:
-    """The prompts of one HTTP request, running concurrently in the engine; their outputs
-    are merged into one stream of `(index, cumulative output)` in arrival order."""
-
-    def __init__(self, engine: Engine, requests: list[Request], metrics: ServerMetrics) -> None:
-        self.engine, self.requests, self.metrics = engine, requests, metrics
-        self.last: list[RequestOutput | None] = [None] * len(requests)
-        self.num_unfinished = len(requests)
-        self._pending: tuple[int, RequestOutput] | None = None
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, r), name=r.request_id)
-                       for i, r in enumerate(requests)]
-
-    async def _pump(self, index: int, request: Request) -> None:
-        try:
-            async for out in self.engine.generate(list(request.prompt_token_ids),
-                                                  request.sampling, request.request_id):
-                self._queue.put_nowait((index, out))
-        except Exception as exc:  # re-raised by next() in the handler, which maps it
-            self._queue.put_nowait((index, exc))
-
-    async def next(self) -> tuple[int, RequestOutput]:
-        index, item = await self._queue.get()
-        if isinstance(item, ValueError):
-            raise RequestError(str(item), "prompt") from item
-        if isinstance(item, Exception):
-            raise item
-        self.last[index] = item
-        if item.finished:
-            self.num_unfinished -= 1
-            self.metrics.observe_finished(item)
-        return index, item
-
-    async def start(self) -> None:
-        """Waits for the first output, so that submit errors (overload) surface before the
-        handler sends any header."""
-        self._pending = await self.next()
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            yield item
-        while self.num_unfinished:
-            yield await self.next()
-
-    async def wait_all(self) -> list[RequestOutput]:
-        async for _ in self.outputs():
-            pass
-        return [out for out in self.last if out is not None]
-
-    def abort(self) -> None:
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.engine.abort(request.request_id)
-
-    async def close(self) -> None:
-        """Cancels what still runs (generate() then aborts it in the engine) and counts it."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks)
-        for request, out in zip(self.requests, self.last):
-            if out is None or not out.finished:
-                self.metrics.observe_aborted(len(request.prompt_token_ids),
-                                             0 if out is None else len(out.token_ids))
+CHAT_TEMPLATE: web.AppKey[ChatTemplate | None] = web.AppKey("chat_template")
+ResponseFormat = CompletionFormat | ChatFormat
 
 
 RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
@@ -124,19 +70,29 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     An `engine` passed in that is already running is used but neither started nor stopped."""
     app = web.Application(client_max_size=server_config.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware])
+                          middlewares=[_error_middleware, guard.host_middleware,
+                                       _auth_middleware, guard.body_middleware])
     app[ENGINE] = engine if engine is not None else Engine(engine_config)
     app[SERVER_CONFIG] = server_config
-    app[METRICS] = ServerMetrics()
     model = app[ENGINE].config.model.model
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
+    app[METRICS] = ServerMetrics(app[MODEL_NAMES][0])
     app[RUNS] = set()
+    app[CHAT_TEMPLATE] = load_chat_template(server_config.chat_template,
+                                            _checkpoint_dir(engine_config.model.model))
     app.cleanup_ctx.append(_engine_lifetime)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/v1/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", ping)
+    app.router.add_post("/ping", ping)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    guard.install(app, server_config)  # after every route: CORS covers them all
     return app
 
 
@@ -197,82 +153,91 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer API key on every route but /health, compared in constant time."""
+    """Bearer API key on every route but PUBLIC_PATHS, compared in constant time."""
     key = request.app[SERVER_CONFIG].api_key
-    if key is None or request.path == "/health":
-        return await handler(request)
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
+    if key is None or request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+        return await handler(request)  # a CORS preflight carries no credentials
+    if not _has_key(request, key):
         raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
                            param="Authorization", status=401, code="invalid_api_key")
     return await handler(request)
 
 
-# -- /v1/completions -----------------------------------------------------------------------
+def _has_key(request: web.Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")  # header bytes may be odd
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
+
+
+# -- /v1/completions and /v1/chat/completions ----------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
     """`POST /v1/completions`: validate everything, submit, then stream or collect."""
-    app = request.app
     req = decode_request(await request.read())
+    _check_model(request.app, req.model)
+    return await _serve(request, req, completion_id(), CompletionFormat())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/chat/completions`: render the messages with the chat template, then serve
+    the prompt's completion in the chat shape."""
+    chat = decode_chat_request(await request.read())
+    _check_model(request.app, chat.model)
+    template = request.app[CHAT_TEMPLATE]
+    if template is None:
+        raise RequestError(NO_TEMPLATE.format(model=chat.model), "messages", 400,
+                           "chat_template_missing")
+    prompt = _chat_prompt(request.app[ENGINE], template.render(
+        chat.messages, chat.add_generation_prompt))
+    return await _serve(request, chat.to_completion(prompt), chat_id(), ChatFormat())
+
+
+def _chat_prompt(engine: Engine, text: str) -> list[int]:
+    """The rendered chat's ids without added special tokens (as transformers tokenizes it:
+    the template writes the special tokens it wants)."""
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_model(app: web.Application, model: str) -> None:
     names: tuple[str, ...] = app[MODEL_NAMES]
-    if req.model not in names:
-        raise RequestError(f"model {req.model!r} does not exist; served: {', '.join(names)}",
+    if model not in names:
+        raise RequestError(f"model {clip(model)!r} does not exist; served: {', '.join(names)}",
                            "model", 404, "model_not_found")
-    cmpl_id = completion_id()
-    requests = _admit(app[ENGINE], req, cmpl_id)
-    run = BatchRun(app[ENGINE], requests, app[METRICS])
+
+
+async def _serve(request: web.Request, req: CompletionRequest, cmpl_id: str,
+                 fmt: ResponseFormat) -> web.StreamResponse:
+    app = request.app
+    run = BatchRun(app[ENGINE], admit(app[ENGINE], app[SERVER_CONFIG], req, cmpl_id), app[METRICS])
     app[RUNS].add(run)
     try:
         await run.start()
         if req.stream:
-            return await _stream(request, req, run, cmpl_id)
-        return await _collect(req, run, cmpl_id)
+            return await _stream(request, req, run, cmpl_id, fmt)
+        return await _collect(req, run, cmpl_id, fmt)
     finally:
         app[RUNS].discard(run)
         await run.close()
 
 
-def _admit(engine: Engine, req: CompletionRequest, cmpl_id: str) -> list[Request]:
-    """Validates every prompt against the engine before anything is submitted."""
-    prompts = prompts_of(req)
-    params = sampling_params(req)
-    max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting + len(prompts) > max_waiting:
-        raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
-                           f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
-    out = []
-    for i, prompt in enumerate(prompts):
-        try:
-            out.append(engine.make_request(prompt, params, f"{cmpl_id}-{i}"))
-        except ValueError as exc:
-            param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise RequestError(f"{where}{exc}", param) from exc
-    return out
-
-
-def _usage(run: BatchRun) -> Usage:
-    prompt = sum(len(r.prompt_token_ids) for r in run.requests)
-    completion = sum(len(o.token_ids) for o in run.last if o is not None)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
-
-
-async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str) -> web.Response:
+async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str,
+                   fmt: ResponseFormat) -> web.Response:
     outs = await run.wait_all()
+    if run.is_aborted:  # the server is shutting down: the client should retry, not trust this
+        return _error_response(503, "the server shut down before the completion finished; "
+                               "retry", code="shutting_down")
     failed = [(i, out.error) for i, out in enumerate(outs) if out.finish_reason == "error"]
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
                                f"{failed[0][1]}", code="engine_error")
-    choices = [ChoiceBuilder(i, run.engine.tokenizer, req.logprobs is not None).delta(out)
-               for i, out in enumerate(outs)]
-    body = Completion(id=cmpl_id, created=now(), model=req.model, choices=choices,
-                      usage=_usage(run))
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+    kept = best_samples(req, outs)
+    builders = choice_builders(req, run, kept)
+    choices = [builder.delta(outs[i]) for builder, i in zip(builders, kept)]
+    body = fmt.body(cmpl_id, now(), req.model, choices, run.usage)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
-                  cmpl_id: str) -> web.StreamResponse:
+                  cmpl_id: str, fmt: ResponseFormat) -> web.StreamResponse:
     """Server-sent events: one chunk per new text, `usage` if asked, then `[DONE]`.
 
     A client disconnect raises out of `write` (or cancels the handler); the caller's
@@ -280,18 +245,14 @@ async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    builders = [ChoiceBuilder(i, run.engine.tokenizer, req.logprobs is not None)
-                for i in range(len(run.requests))]
+    builders = choice_builders(req, run)
     created = now()
     async for index, out in run.outputs():
         choice = builders[index].delta(out)
         if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-            chunk = Completion(id=cmpl_id, created=created, model=req.model, choices=[choice])
-            await resp.write(_sse(msgspec.json.encode(chunk)))
+            await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [choice])))
     if req.stream_options is not None and req.stream_options.include_usage:
-        chunk = Completion(id=cmpl_id, created=created, model=req.model, choices=[],
-                           usage=_usage(run))
-        await resp.write(_sse(msgspec.json.encode(chunk)))
+        await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [], run.usage)))
     await resp.write(_sse(b"[DONE]"))
     await resp.write_eof()
     return resp
@@ -309,11 +270,55 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
-async def health(request: web.Request) -> web.Response:
-    """`GET /health`: 200 while every actor is alive, else 503 (no API key needed)."""
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /v1/tokenize`: the ids the server would run for a prompt (or a chat)."""
+    req = decode_json(await request.read(), TokenizeRequest)
+    _check_model(request.app, req.model or request.app[MODEL_NAMES][0])
     engine = request.app[ENGINE]
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("send exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        template = request.app[CHAT_TEMPLATE]
+        if template is None:
+            raise RequestError(NO_TEMPLATE.format(model=req.model), "messages", 400,
+                               "chat_template_missing")
+        ids = _chat_prompt(engine, template.render(req.messages, req.add_generation_prompt))
+    else:
+        ids = engine.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+    return web.json_response({"count": len(ids), "max_model_len": engine.max_seq_len,
+                              "tokens": ids, "token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /v1/detokenize`: the text of token ids."""
+    req = decode_json(await request.read(), DetokenizeRequest)
+    _check_model(request.app, req.model or request.app[MODEL_NAMES][0])
+    engine = request.app[ENGINE]
+    bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
+                           "tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    """`GET /version` (vLLM): the server's package version."""
+    return web.json_response({"version": _version()})
+
+
+async def ping(request: web.Request) -> web.Response:
+    """`GET|POST /ping` (vLLM, SageMaker): liveness, the same answer as /health."""
+    return await health(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    """`GET /health`: 200 while every actor is alive, else 503 (no API key needed). Actor
+    names and errors only with `health_details` or to a caller with the API key."""
+    engine, config = request.app[ENGINE], request.app[SERVER_CONFIG]
     report = engine.health() if engine.is_running else {"healthy": False, "actors": {}}
     status = 200 if report["healthy"] else 503
+    if not (config.health_details or config.api_key and _has_key(request, config.api_key)):
+        report = {"healthy": report["healthy"]}
     return web.json_response({"status": "ok" if status == 200 else "unhealthy", **report},
                              status=status, dumps=lambda o: json.dumps(o, default=str))
 
@@ -328,11 +333,22 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     """`GET /openapi.json`: generated from the msgspec request and response types."""
+    return web.json_response(openapi_document("AlignedServe", _version(), (
+        ("/v1/chat/completions", ChatCompletionRequest,
+         "Create a chat completion (stream=true: server-sent events of chunks)"),
+        ("/v1/tokenize", TokenizeRequest, "The token ids of a prompt or a chat (vLLM)"))))
+
+
+def _version() -> str:
     try:
-        version = importlib.metadata.version("aserve")
+        return importlib.metadata.version("aserve")
     except importlib.metadata.PackageNotFoundError:
-        version = "0"
-    return web.json_response(openapi_document("AlignedServe", version))
+        return "0"
+
+
+def _checkpoint_dir(model: str) -> str | None:
+    """The model's directory (where a chat template may be), None for a preset."""
+    return None if model_config_is_preset(model) else model
 
 
 # -- the process ---------------------------------------------------------------------------
@@ -350,7 +366,8 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     """Serves until SIGINT/SIGTERM: then stops accepting, aborts in-flight requests, stops
     the engine and returns 0. `started(port)` is called once the socket listens."""
     app = create_app(engine_config, server_config)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = guard.GuardedRunner(app, server_config, handler_cancellation=True,
+                                 shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, server_config.host, server_config.port)
     await site.start()

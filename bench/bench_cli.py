@@ -109,10 +109,17 @@ def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: 
         model = peers.build_hf_model(s.model, s.dtype, s.seed)
         run = peers.run_static_generate if name == "transformers" else peers.run_continuous_batching
         return run(model, workload, prompts, s.realtime, system=name, on_finish=on_finish)
-    policy, attention = name.split("/")
-    config = EngineConfig.create(model=s.model, dtype=s.dtype, seed=s.seed, policy=policy,
-                                 attention=attention, **sizing.options())
+    config = engine_config(name, sizing, s)
     return run_async(run_engine(workload, prompts, config, name, s.realtime, on_finish))
+
+
+def engine_config(name: str, sizing: Sizing, settings: BenchSettings) -> EngineConfig:
+    """The engine behind system `name` ("policy/attention"), on the same preset weights as
+    the transformers peer (both from `settings.seed`)."""
+    policy, attention = name.split("/")
+    return EngineConfig.create(model=settings.model, dtype=settings.dtype,
+                               weights_seed=settings.seed, policy=policy,
+                               attention=attention, **sizing.options())
 
 
 def build_workloads(args: argparse.Namespace, max_len: int) -> list[Workload]:
@@ -200,28 +207,44 @@ def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namesp
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aserve bench", description=__doc__)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic")
+    from aserve.config import ATTENTION_BACKENDS, DTYPES, HELP_FORMATTER
+
+    d = BenchSettings()
+    p = argparse.ArgumentParser(prog="aserve bench", description=__doc__,
+                                formatter_class=HELP_FORMATTER)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic",
+                   help="synthetic lengths, or a real trace from bench/data/")
     p.add_argument("--short-ratio", type=_floats, default=[0.95],
                    help="share of short requests (synthetic); a comma list sweeps (Fig. 7)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per workload")
+    p.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE,
+                   help="multiplies every prompt and output length (CPU scale: 1/8)")
     p.add_argument("--rate", type=float, default=None,
-                   help="req/s (Poisson for synthetic/sharegpt4, rescaled trace for azure)")
+                   help="req/s (Poisson for synthetic/sharegpt4, rescaled trace for azure); "
+                        "None: the trace's own times, or all at once for synthetic")
     p.add_argument("--offline", action="store_true", help="every request arrives at time 0")
-    p.add_argument("--systems", type=_names, default=["aligned", "fcfs"])
-    p.add_argument("--attention", type=_names, default=["paged"])
-    p.add_argument("--model", default="opt-125m")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-requests", type=int, default=32)
+    p.add_argument("--systems", type=_names, default=["aligned", "fcfs"],
+                   help="comma list of engine policies "
+                        f"({', '.join(ENGINE_POLICIES)}) and peers ({', '.join(PEERS)})")
+    p.add_argument("--attention", type=_names, default=["paged"],
+                   help=f"comma list of attention backends ({', '.join(ATTENTION_BACKENDS)}); "
+                        "each engine policy runs with each")
+    p.add_argument("--model", default=d.model, help="a preset name (random weights)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV dtype")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seeds the preset weights of every system (the transformers peer "
+                        "included), the prompts' token ids and the arrival times")
+    p.add_argument("--batch-requests", type=int, default=d.batch_requests,
+                   help="size decode KV to hold about this many median requests")
     p.add_argument("--url", default=None, help="client mode: benchmark this server too")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model", default=None)
-    p.add_argument("--json", required=True, help="results file (.md and .iterations/ beside)")
-    p.add_argument("--plots", default=None, help="folder for the PNG figures")
+    p.add_argument("--api-key", default=None, help="bearer token for --url")
+    p.add_argument("--served-model", default=None,
+                   help="model name on the --url server; None: its first")
+    p.add_argument("--json", required=True, default=argparse.SUPPRESS,
+                   help="results file (.md and .iterations/ beside)")
+    p.add_argument("--plots", default=None, help="folder for the PNG figures; None: no plots")
     p.add_argument("--iterations", default=None,
-                   help="folder for the iteration logs (default: OUT.iterations beside --json)")
+                   help="folder for the iteration logs; None: OUT.iterations beside --json")
     return p
 
 

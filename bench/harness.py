@@ -66,7 +66,7 @@ class Sizing:
 
     `num_decode_blocks` holds about `batch_requests` typical requests at their final length
     (and the longest one), so the pool holds `pool_ratio` times what decode can take: DFS
-    has a choice to make (DESIGN §1).
+    has a choice to make (docs/design.md §1).
     """
 
     block_size: int

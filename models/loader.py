@@ -104,13 +104,33 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device |
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ValueError(f"checkpoint {root} has no config.json")
-    cfg = OPTConfig.from_hf_config(json.loads(config_file.read_text()))
+    cfg = OPTConfig.from_hf_config({**json.loads(config_file.read_text()),
+                                    **_generation_tokens(root)})
     with torch.device("meta"):
         model = OPTForCausalLM(cfg)
     state = _to_state_dict(_read_weights(root), model)
     model.load_state_dict({name: t.to(device=device, dtype=dtype) for name, t in state.items()},
                           strict=True, assign=True)
     return LoadedModel(_finish(model), cfg)
+
+
+def _generation_tokens(root: Path) -> dict[str, int]:
+    """bos / eos ids from generation_config.json, which win over config.json's (as they do
+    for transformers' `generate`)."""
+    file = root / "generation_config.json"
+    found: dict[str, int] = {}
+    if not file.is_file():
+        return found
+    config = json.loads(file.read_text())
+    for key in ("bos_token_id", "eos_token_id"):
+        value = config.get(key)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, list):
+            raise ValueError(f"{file}: {key} lists several ids ({value}); one is supported")
+        if isinstance(value, int):
+            found[key] = value
+    return found
 
 
 def _finish(model: OPTForCausalLM) -> OPTForCausalLM:

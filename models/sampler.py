@@ -1,4 +1,5 @@
-"""Token sampling from a batch of logits: greedy, temperature, top-k, top-p, per-row seeds.
+"""Token sampling from a batch of logits: logit bias and penalties, then greedy, temperature,
+top-k, top-p, per-row seeds.
 
 Takes plain values and tensors, never requests. Seeded rows draw only from their own
 generator, one draw per token, so their tokens do not depend on the rest of the batch.
@@ -18,6 +19,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 ALL_TOKENS = -1  # SamplingTensors.num_ranked: rank the whole vocab
 TOP_P_PREFILTER = 256  # tokens ranked first for rows with top-p but no top-k
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this, so that / temperature stays finite
 _MASK64 = (1 << 64) - 1
 
 
@@ -37,6 +39,7 @@ class SamplingTensors:
     is_all_greedy: bool  # fast path: a single argmax
     num_ranked: int = ALL_TOKENS  # top tokens per row the filter ranks; 0 = no filter
     is_top_p_unbounded: bool = True  # a row uses top-p without top-k: may rank the vocab
+    penalties: Penalties | None = None  # logit bias and penalties of the rows that use them
 
     def __post_init__(self) -> None:
         num_seqs = self.temperatures.shape[0]
@@ -57,6 +60,7 @@ class SamplingTensors:
         device: torch.device | str,
         step_offsets: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        penalties: Penalties | None = None,
     ) -> SamplingTensors:
         """Validates per-row settings and builds the tensors on `device`.
 
@@ -92,7 +96,113 @@ class SamplingTensors:
             is_all_greedy=all(is_greedy),
             num_ranked=num_ranked,
             is_top_p_unbounded=is_unbounded,
+            penalties=penalties,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """Logit bias and penalties for the rows of a batch that use any (the others skip them).
+
+    Applied in vLLM's order: logit bias, then the repetition penalty over prompt and output
+    tokens (transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit is divided
+    by the penalty when positive, multiplied when negative), then OpenAI's frequency and
+    presence penalties over output tokens (logit -= frequency * count + presence * [count > 0]).
+    """
+
+    rows: Tensor  # [num_rows] long: the batch rows these settings belong to
+    bias: tuple[Tensor, Tensor, Tensor] | None  # (row, token id, bias) triples; None: no bias
+    repetition: Tensor | None  # [num_rows] float32, 1 = off; None: off in every row
+    is_seen: Tensor | None  # [num_rows, vocab_size] bool: in the prompt or the output
+    presence: Tensor | None  # [num_rows] float32, 0 = off; None with frequency: both off
+    frequency: Tensor | None  # [num_rows] float32, 0 = off
+    output_counts: Tensor | None  # [num_rows, vocab_size] float32: times each was generated
+
+    @classmethod
+    def from_lists(
+        cls,
+        rows: Sequence[int],
+        presence: Sequence[float],
+        frequency: Sequence[float],
+        repetition: Sequence[float],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        logit_biases: Sequence[Sequence[tuple[int, float]]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> Penalties:
+        """Builds the count and bias tensors with one scatter per kind (no per-token loop);
+        a kind that no row uses builds nothing and costs nothing in `apply`.
+
+        Raises:
+            ValueError: a list length differs, a penalty is out of range, or a token id is
+                outside [0, vocab_size).
+        """
+        num_rows = len(rows)
+        _check_lengths(num_rows, presence=presence, frequency=frequency,
+                       repetition=repetition, prompt_ids=prompt_ids, output_ids=output_ids,
+                       logit_biases=logit_biases)
+        for i, r in enumerate(repetition):
+            if not (r > 0 and math.isfinite(r)):
+                raise ValueError(f"repetition[{i}] ({r}) must be a finite number > 0")
+        shape = (num_rows, vocab_size)
+
+        def floats(values: Sequence[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        bias = None
+        if any(logit_biases):
+            index = _row_index([[t for t, _ in pairs] for pairs in logit_biases], shape, device)
+            bias = (*index, floats([v for pairs in logit_biases for _, v in pairs]))
+        is_seen = rep = None
+        if any(r != 1 for r in repetition):
+            is_seen = torch.zeros(shape, dtype=torch.bool, device=device)
+            for ids in (prompt_ids, output_ids):
+                is_seen.index_put_(_row_index(ids, shape, device), torch.tensor(True))
+            # NOTE: a penalty below float32's smallest normal (e.g. 1e-300) would round to 0
+            rep = floats(repetition).clamp(min=torch.finfo(torch.float32).tiny)
+        counts = pres = freq = None
+        if any(presence) or any(frequency):
+            counts = _counts(output_ids, shape, device)  # [num_rows, vocab_size]
+            pres, freq = floats(presence), floats(frequency)
+        return cls(rows=torch.tensor(rows, dtype=torch.long, device=device), bias=bias,
+                   repetition=rep, is_seen=is_seen, presence=pres, frequency=freq,
+                   output_counts=counts)
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """`logits` ([num_seqs, vocab_size] float32) with these rows biased and penalised."""
+        x = logits.index_select(0, self.rows)  # [num_rows, vocab_size]
+        if self.bias is not None:
+            rows, token_ids, values = self.bias
+            x.index_put_((rows, token_ids), values, accumulate=True)
+        if self.repetition is not None and self.is_seen is not None:
+            rep = self.repetition.unsqueeze(1)  # [num_rows, 1]
+            x = torch.where(self.is_seen, torch.where(x < 0, x * rep, x / rep), x)
+        if self.output_counts is not None and self.presence is not None:
+            assert self.frequency is not None, "presence and frequency are set together"
+            x = x - self.frequency.unsqueeze(1) * self.output_counts
+            x = x - self.presence.unsqueeze(1) * (self.output_counts > 0)
+        return logits.index_copy(0, self.rows, x.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+
+
+def _row_index(ids: Sequence[Sequence[int]], shape: tuple[int, int],
+               device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """(row, column) index tensors of every id of every row, checked against the vocab."""
+    flat = [t for row in ids for t in row]
+    bad = next((t for t in flat if not 0 <= t < shape[1]), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {shape[1]})")
+    row_of = torch.repeat_interleave(torch.arange(shape[0]),
+                                     torch.tensor([len(row) for row in ids], dtype=torch.long))
+    return row_of.to(device), torch.tensor(flat, dtype=torch.long, device=device)
+
+
+def _counts(ids: Sequence[Sequence[int]], shape: tuple[int, int],
+            device: torch.device | str) -> Tensor:
+    """[num_rows, vocab_size] float32: how often each id occurs in each row of `ids`."""
+    counts = torch.zeros(shape, dtype=torch.float32, device=device)
+    index = _row_index(ids, shape, device)
+    return counts.index_put_(index, torch.ones(len(index[1]), device=device), accumulate=True)
 
 
 class SampleResult(NamedTuple):
@@ -117,12 +227,14 @@ def step_seed(seed: int, step: int) -> int:
 def sample(logits: Tensor, st: SamplingTensors) -> SampleResult:
     """Chooses one token per row of `logits` ([num_seqs, vocab_size]) under `st`.
 
-    Greedy rows take the argmax (ties -> lowest id). Other rows divide by their
+    Rows with `st.penalties` are biased and penalised first. Greedy rows take the argmax
+    (ties -> lowest id). Other rows divide by their
     temperature, keep their top-k then top-p tokens, and draw by inverse CDF with one
     float64 uniform per row: seeded rows from their own generator, the rest in one
     batched draw from the global RNG.
     """
-    logits = logits.float()  # [num_seqs, vocab_size]
+    raw = logits.float()  # [num_seqs, vocab_size]
+    logits = raw if st.penalties is None else st.penalties.apply(raw)  # [num_seqs, vocab_size]
     greedy_ids = logits.argmax(dim=-1)  # [num_seqs]
     if st.is_all_greedy:
         token_ids = greedy_ids
@@ -130,7 +242,7 @@ def sample(logits: Tensor, st: SamplingTensors) -> SampleResult:
         probs = _filtered_probs(logits, st)  # [num_seqs, vocab_size]
         sampled_ids = _inverse_cdf(probs, st.generators)  # [num_seqs]
         token_ids = torch.where(st.temperatures < SAMPLING_EPS, greedy_ids, sampled_ids)
-    logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
+    logprobs = torch.log_softmax(raw, dim=-1)  # [num_seqs, vocab_size]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
     return SampleResult(token_ids, chosen)
 

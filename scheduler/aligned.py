@@ -1,5 +1,5 @@
 """The paper's policy: quad-tree pool, density-first search with starvation control,
-dynamic prefetch, and batch-level scheduling at iteration boundaries (DESIGN §1, §4).
+dynamic prefetch, and batch-level scheduling at iteration boundaries (docs/design.md §1, §4).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class AlignedPolicy(Policy):
         in). On tests/aserve/test_aligned.py's pool this keeps 100 % of iterations within
         1.5x, but it costs decode throughput: 0.72-0.96x fcfs on the CPU sweep, about half
         of aligned-loose's in the simulator where decode is the bottleneck. The other
-        designs measured and their costs are in bench/RESULTS.md section 3.
+        designs measured and their costs are in benchmarks/RESULTS.md section 3.
         """
         evict = plan_evictions(view, victims)
         if evict:

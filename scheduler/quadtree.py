@@ -1,4 +1,4 @@
-"""Quad-tree index over prefix length for the host KV pool (DESIGN §1).
+"""Quad-tree index over prefix length for the host KV pool (docs/design.md §1).
 
 Each internal node splits its length range into 4 equal sub-ranges and keeps aggregate
 counters of its subtree; leaves hold the requests. Pure data structure: no clock, no I/O.

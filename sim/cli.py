@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from aserve.config import spread_arg
+from aserve.config import HELP_FORMATTER, spread_arg
 from bench.metrics import Summary, request_metrics
 from bench.report import (
     Caption,
@@ -49,15 +49,18 @@ PAPER_MIN_REQUESTS = 128  # the paper's example of a batch that saturates a GPU
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="azure-code",
                         help="synthetic | azure-code | azure-conv | sharegpt4")
-    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests to take; None: the whole trace (synthetic: 1000)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="azure: replay this many times faster than the trace")
     parser.add_argument("--rate", type=float, default=None,
                         help="mean arrival rate (req/s); synthetic/sharegpt4 default offline")
     parser.add_argument("--offline", action="store_true", help="every request arrives at 0")
-    parser.add_argument("--length-scale", type=float, default=1.0)
+    parser.add_argument("--length-scale", type=float, default=1.0,
+                        help="multiplies every prompt and output length")
     parser.add_argument("--short-ratio", type=float, default=0.95, help="synthetic only")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds synthetic lengths and arrival times")
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -76,25 +79,29 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 def _run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aserve sim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HELP_FORMATTER)
     add_workload_args(parser)
-    parser.add_argument("--model", default="opt-13b")
-    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--model", default="opt-13b", help="model geometry to cost")
+    parser.add_argument("--hardware", default="h100", help="device to cost (a hardware preset)")
     parser.add_argument("--prefill", type=int, default=2, help="prefill instances (devices)")
     parser.add_argument("--decode", type=int, default=6, help="decode instances (devices)")
-    parser.add_argument("--systems", default="aligned,fcfs,continuous")
+    parser.add_argument("--systems", default="aligned,fcfs,continuous",
+                        help="comma list of policies to simulate")
     parser.add_argument("--kernel", default="per-seq,split-k",
                         help=f"comma list of {', '.join(KERNELS)}")
     parser.add_argument("--calibration", default=None, help="fitted constants (JSON)")
     parser.add_argument("--min-requests", type=int, default=None,
-                        help=f"DFS min_requests (default {PAPER_MIN_REQUESTS} on GPUs, else 8)")
-    parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+                        help=f"DFS min_requests; None: {PAPER_MIN_REQUESTS} on GPUs, else 8")
+    parser.add_argument("--max-batch-size", type=int, default=256,
+                        help="most sequences in one decode iteration")
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048,
+                        help="token budget of one prefill step")
     parser.add_argument("--max-spread", type=spread_arg, default=DEFAULT_SPREAD,
                         help="aligned: the alignment bound (default %(default)s; 'off': the "
                              "paper's looser rules)")
-    parser.add_argument("--json", default=None, help="write results here")
-    parser.add_argument("--plots", default=None, help="write figures into this folder")
+    parser.add_argument("--json", default=None, help="write results here; None: print only")
+    parser.add_argument("--plots", default=None,
+                        help="write figures into this folder; None: no figures")
     return parser
 
 
@@ -187,13 +194,15 @@ def _plots(folder: Path, results: dict[str, list[SimResult]],
 
 
 def calibrate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aserve sim calibrate")
+    parser = argparse.ArgumentParser(prog="aserve sim calibrate",
+                                     formatter_class=HELP_FORMATTER)
     parser.add_argument("records", nargs="+",
                         help="iteration logs (JSON lines: header + records), one per system")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default=None, help="default: the header's model")
-    parser.add_argument("--hardware", default=None, help="default: the header's, else cpu")
-    parser.add_argument("--kernel", default=None, help="default: from the header's attention")
+    parser.add_argument("--out", required=True, default=argparse.SUPPRESS,
+                        help="write the fitted constants (JSON) here")
+    parser.add_argument("--model", default=None, help="None: the header's model")
+    parser.add_argument("--hardware", default=None, help="None: the header's, else cpu")
+    parser.add_argument("--kernel", default=None, help="None: from the header's attention")
     args = parser.parse_args(argv)
     header, records = load_all(args.records)
     kernel = args.kernel or ATTENTION_KERNELS.get(str(header.get("attention", "paged")),
@@ -220,11 +229,13 @@ def load_all(paths: list[str]) -> tuple[dict[str, object], list[dict[str, object
 
 
 def validate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aserve sim validate")
+    parser = argparse.ArgumentParser(prog="aserve sim validate",
+                                     formatter_class=HELP_FORMATTER)
     add_workload_args(parser)
-    parser.add_argument("--records", required=True, nargs="+",
+    parser.add_argument("--records", required=True, nargs="+", default=argparse.SUPPRESS,
                         help="iteration logs of the calibration run (JSON lines)")
-    parser.add_argument("--measured", required=True, help="benchmark JSON of the run to predict")
+    parser.add_argument("--measured", required=True, default=argparse.SUPPRESS,
+                        help="benchmark JSON of the run to predict")
     args = parser.parse_args(argv)
     header, records = load_all(args.records)
     measured = json.loads(Path(args.measured).read_text())["results"]

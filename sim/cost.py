@@ -1,7 +1,8 @@
 """Cost model of one iteration (decode, prefill or mixed) and of KV transfers.
 
 Roofline: time = overhead + max(bytes / bandwidth, FLOPs / rate), with the attention work
-imbalance of the decode kernel added on top (DESIGN §1: the iteration-level bubble).
+imbalance of the decode kernel added on top (docs/design.md §8: where the iteration-level
+bubble is real).
 Model geometries are a local table, so this never imports `models/` (which needs torch).
 """
 

@@ -121,6 +121,15 @@ class SimContext:
         return landed
 
 
+def fork_at_once(ctx: SimContext, forks: list[Move], landed: Callable[[Move, float], None],
+                 now: float) -> None:
+    """Lands the KV copies of samples forked from a prefill (n > 1) at once: a copy within
+    one device that the cost model does not price (simulated workloads have no n > 1)."""
+    for move in forks:
+        ctx.kv.commit(move, now, now)
+        landed(move, now)
+
+
 def sampled(step: Forward) -> list[int | None]:
     """The simulator's token ids: 0 for every seq the step samples for, None elsewhere."""
     return [0 if s.num_computed_tokens + n == s.num_tokens else None
@@ -152,7 +161,9 @@ class PrefillInstance(SimActor):
             self.loop.at(end, partial(self._done, step, duration))
 
     def _done(self, step: Forward, duration: float) -> None:
-        self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now, duration)
+        forks = self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
+                                 duration)
+        fork_at_once(self.ctx, forks, self.core.forked, self.loop.now)
         self.is_busy = False
         self.act()
 
@@ -275,8 +286,9 @@ class ColocatedInstance(SimActor):
         self.loop.at(end, partial(self._done, step, forward_time))
 
     def _done(self, step: Forward, forward_time: float) -> None:
-        self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
-                         forward_time, 0.0)
+        forks = self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
+                                 forward_time, 0.0)
+        fork_at_once(self.ctx, forks, self.core.forked, self.loop.now)
         self.is_busy = False
         self.act()
 

@@ -20,14 +20,32 @@ TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
 
 def write_hf_checkpoint(path: Path, dtype: str = "float32", seed: int = 0,
                         **overrides: object) -> Path:
-    """Saves a random `transformers` OPT to `path` (config.json + model.safetensors)."""
+    """Saves a random `transformers` OPT to `path` (config.json + model.safetensors), with
+    the tokenizer files a Hub checkpoint ships (tests/hub_checkpoint.py)."""
     from transformers import OPTConfig, OPTForCausalLM
+
+    from tests.hub_checkpoint import write_hub_tokenizer
 
     torch.manual_seed(seed)
     config = OPTConfig(**{**TINY_HF, **overrides})
     model = OPTForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(path)
-    return path
+    return write_hub_tokenizer(path)
+
+
+def write_bpe_tokenizer(directory: Path, corpus: list[str]) -> Path:
+    """A tiny byte-level BPE trained on `corpus`, saved as `directory`/tokenizer.json with
+    OPT's special tokens as ids 0..3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(corpus, trainer)
+    raw.save(str(directory / "tokenizer.json"))
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from aserve.core import Sequence
 from aserve.cores import Forward, Lifecycle, Move, Window
 from aserve.kvspace import KVSpace
 from aserve.messages import Deliver, Message, Pooled, RunningWindow, Stop, Submit, Wake, WantBatch
-from aserve.runner import StepResult, WorkItem
+from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
 from scheduler import Policy
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ class Runner(Protocol):
     """What the actors need of a model runner (aserve.runner.ModelRunner, or a test's)."""
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -172,6 +174,14 @@ class Actor:
         landed(move, self.ctx.now())
         return True
 
+    async def carry_out_forks(self, forks: list[Move],
+                              landed: Callable[[Move, float], None]) -> None:
+        """Copies the KV of the samples forked from a prefill (n > 1), before anything else
+        runs on this instance's store; a sample whose copy fails ends alone with an error."""
+        life = self.ctx.outputs
+        for move in forks:
+            await self.carry_out(move, landed, lambda m, error, t: life.fail_move(m, error, at=t))
+
 
 def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:
     """The runner's view of computing `num_new_tokens` more of `seq`'s tokens."""
@@ -188,4 +198,10 @@ def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> Wor
         top_k=params.top_k,
         seed=params.seed,
         step=seq.num_output_tokens,
+        penalties=PenaltySettings(
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.logit_bias, seq.token_ids, seq.num_prompt_tokens,
+        ) if params.has_penalties else None,
+        prompt_logprobs=PromptLogprobs(seq.token_ids, seq.num_prompt_tokens,
+                                       seq.prompt_logprobs) if params.prompt_logprobs else None,
     )

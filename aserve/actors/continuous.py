@@ -37,8 +37,9 @@ class ContinuousActor(Actor):
             return
         schedule_time = self.ctx.now() - start
         result = await self.forward(step, self.store.tensor, self.runner)
-        self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
-                         result.forward_time, schedule_time)
+        forks = self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
+                                 result.forward_time, schedule_time)
+        await self.carry_out_forks(forks, self.core.forked)
 
     def on_error(self, error: str) -> None:  # the running batch fails, the queue survives
         self.core.fail(error, self.ctx.now())

@@ -39,8 +39,9 @@ class PrefillActor(Actor):
         except Exception as exc:
             self.core.fail(step, self.record_error(exc), self.ctx.now())
             return
-        self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
-                         result.forward_time)
+        forks = self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
+                                 result.forward_time)
+        await self.carry_out_forks(forks, self.core.forked)
         await self.offload()
 
     async def offload(self) -> bool:

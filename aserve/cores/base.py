@@ -20,6 +20,8 @@ class Move:
     src: str
     dst: str
     num_blocks: int
+    # a fork (n > 1): the parent's block ids to copy from, in the same store (`src == dst`)
+    src_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sortedcontainers import SortedKeyList
 
 from aserve.core import IterationRecord, SeqStatus, Sequence
-from aserve.cores.base import Forward
+from aserve.cores.base import Forward, Move
 from aserve.cores.kv import BlockLedger
 from aserve.cores.lifecycle import Lifecycle
 from scheduler import ContinuousScheduler, ContinuousSeq
@@ -93,10 +93,13 @@ class ColocatedCore:
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> None:
-        """The step ran: prefill chunks advance, seqs that sampled get their token."""
+               schedule_time: float) -> list[Move]:
+        """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
+        the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
+        the driver carries out before the next step, calling `forked` as each lands."""
         lengths = step.lengths
         num_prefill = 0
+        forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
                                              logprobs):
             was_prefill = seq.status == SeqStatus.PREFILLING
@@ -106,6 +109,12 @@ class ColocatedCore:
                 continue  # a prefill chunk that samples nothing yet
             if was_prefill:
                 self.life.event(seq.seq_id, "prefill_end", now)
+                # NOTE: before the token may free `seq`'s blocks; copied in order (see
+                # PrefillCore.finish)
+                moves, unforked = self.life.fork(seq, now)
+                forks.extend(moves)
+                for child in unforked:
+                    self.submit(child)
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
@@ -115,6 +124,11 @@ class ColocatedCore:
             forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
             blocks_used=self.kv.blocks_used()))
         self.running = [s for s in self.running if not s.is_finished]
+        return forks
+
+    def forked(self, move: Move, now: float) -> None:
+        """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""
+        self.running.append(move.seq)
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error."""

@@ -60,20 +60,43 @@ class BlockLedger:
         dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
         return None if dst_ids is None else Move(seq, seq.location, dst, len(dst_ids))
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> Move | None:
+        """Gives `child` blocks in `parent`'s store for a copy of the parent's first
+        `num_tokens` KV entries (n samples of one prompt share its prefill); None (nothing
+        changed) when the store is full. The move's source ids are taken now: the driver
+        copies before anything allocates in that store again, even if the parent has
+        finished (and freed its blocks) meanwhile."""
+        assert not child.location, f"{child.seq_id} already holds KV in {child.location}"
+        allocator = self.allocators[parent.location]
+        dst_ids = allocator.allocate(child.seq_id, max(num_tokens, 1))
+        if dst_ids is None:
+            return None
+        child.location = parent.location
+        src_ids = tuple(allocator.table(parent.seq_id)[: len(dst_ids)])
+        return Move(child, parent.location, parent.location, len(dst_ids), src_ids)
+
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of `move`, aligned block for block."""
         dst_ids = self.allocators[move.dst].table(move.seq.seq_id)
+        if move.src_ids is not None:
+            return list(move.src_ids), dst_ids
         return self.allocators[move.src].table(move.seq.seq_id)[: len(dst_ids)], dst_ids
 
     def commit(self, move: Move, start_time: float, end_time: float) -> None:
-        """The copy landed: the source blocks are freed and `seq` lives in `dst`."""
-        self.allocators[move.src].free(move.seq.seq_id)
+        """The copy landed: the source blocks are freed (a fork's belong to its parent and
+        stay) and `seq` lives in `dst`."""
+        if move.src_ids is None:
+            self.allocators[move.src].free(move.seq.seq_id)
         move.seq.location = move.dst
         self.transfers.append(TransferRecord(move.seq.seq_id, move.src, move.dst,
                                              move.num_blocks, start_time, end_time))
 
     def cancel(self, move: Move) -> None:
-        """The copy failed: the destination blocks are freed, the source keeps the KV."""
+        """The copy failed: the destination blocks are freed, the source keeps the KV (a
+        fork then holds none)."""
+        if move.src_ids is not None:
+            self.release(move.seq)
+            return
         self.allocators[move.dst].free(move.seq.seq_id)
 
     def usage(self) -> dict[str, tuple[int, int]]:

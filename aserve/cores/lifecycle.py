@@ -103,6 +103,9 @@ class Lifecycle:
             return
         seq.status, seq.error = status, error
         self.num_finished += 1
+        for child in seq.forks:  # samples that were to start from its prefill
+            self.finish(child, status, error, at=at)
+        seq.forks = []
         self.event(seq.seq_id, "finish", at)
         self.finish_requests.pop(seq.seq_id, None)
         self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
@@ -120,6 +123,38 @@ class Lifecycle:
             logger.exception("reserving %s for %s failed", dst, seq.seq_id)
             self.finish(seq, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}", at=at)
             return None
+
+    def fork(self, seq: Sequence, at: float) -> tuple[list[Move], list[Sequence]]:
+        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
+        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
+        recomputes to draw its own first token, and a copy of the prompt logprobs. Call
+        when the prefill step's outputs are recorded, before any of the step's first tokens
+        is appended (that may free `seq`'s blocks); the driver copies the returned moves
+        before its instance allocates again, then hands each landed fork to its core.
+
+        Returns (the forks' KV moves, each fork in `seq`'s status; the samples the store had
+        no room for, to be prefilled on their own). A store raising ends that sample alone.
+        """
+        assert self.kv is not None, "fork needs the block ledger"
+        moves: list[Move] = []
+        unforked: list[Sequence] = []
+        num_cached = seq.num_prompt_tokens - 1
+        for child in self.reap(seq.forks, at):
+            try:
+                move = self.kv.fork(seq, child, num_cached)
+            except Exception as exc:  # a store's failure is this sample's, not the instance's
+                logger.exception("forking %s from %s failed", child.seq_id, seq.seq_id)
+                self.finish(child, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
+                            at=at)
+                continue
+            if move is None:
+                unforked.append(child)
+                continue
+            child.num_computed_tokens, child.status = num_cached, seq.status
+            child.prompt_logprobs[:] = seq.prompt_logprobs
+            moves.append(move)
+        seq.forks = []
+        return moves, unforked
 
     def fail_move(self, move: Move, error: str, *, at: float) -> None:
         """A KV copy failed: its destination is freed and the seq alone ends with an error."""

@@ -43,7 +43,8 @@ class PrefillCore:
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
         self.reap(now)
-        budget, batch = self.max_prefill_tokens, []
+        budget = self.max_prefill_tokens
+        batch: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
             if batch and seq.num_tokens > budget:
@@ -63,21 +64,36 @@ class PrefillCore:
         return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
 
     def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float) -> None:
-        """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded."""
+               logprobs: list[float | None], now: float, forward_time: float) -> list[Move]:
+        """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
+        KV copies of the samples forked from these prompts (n > 1), which the driver carries
+        out before anything else, calling `forked` as each lands."""
         lengths = tuple(step.num_new_tokens)
         self.life.prefill_iteration(IterationRecord(
             instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
             num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
             forward_time=forward_time, schedule_time=0.0, is_mixed=False,
             blocks_used=self.kv.blocks_used(), prefill_lengths=lengths))
+        forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
             seq.num_computed_tokens = seq.num_tokens
             self.life.event(seq.seq_id, "prefill_end", now)
+            # NOTE: forks are reserved before the first token may finish `seq` and free its
+            # blocks; the driver copies them in this order, so a later fork's destination
+            # never overwrites an earlier fork's source before it is read
+            moves, unforked = self.life.fork(seq, now)
+            forks.extend(moves)
+            for child in reversed(unforked):
+                self.submit(child, front=True)
             self.life.append_token(seq, token_id, logprob, now)
             if not seq.is_finished:
                 self.blocked.append(seq)
+        return forks
+
+    def forked(self, move: Move, now: float) -> None:
+        """A sample's copy of its prompt's KV landed: it waits to be offloaded too."""
+        self.blocked.append(move.seq)
 
     def fail(self, step: Forward, error: str, now: float) -> None:
         """The forward pass failed: its seqs end with an error."""

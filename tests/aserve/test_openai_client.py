@@ -112,3 +112,30 @@ def test_wrong_api_key_is_rejected(live_server: LiveServer) -> None:
 def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+
+
+# The bodies of the issue that used to be refused or ignored, sent by the official client.
+FIELDS = {
+    "presence_penalty": dict(presence_penalty=0.5),
+    "frequency_penalty": dict(frequency_penalty=0.5),
+    "repetition_penalty": dict(extra_body={**NO_EOS, "repetition_penalty": 1.1}),
+    "logit_bias": dict(logit_bias={"101": 100}),  # id 101 is the byte "a"
+    "n": dict(n=2, seed=3, temperature=1.0),
+    "best_of": dict(n=2, best_of=2, seed=3, temperature=1.0),
+    "echo": dict(echo=True),
+}
+
+
+@pytest.mark.parametrize("fields", list(FIELDS.values()), ids=list(FIELDS))
+def test_client_fields_are_honoured(client: openai.OpenAI, fields: dict[str, object]) -> None:
+    out = complete(client, "Hello", max_tokens=6, **{"temperature": 0, **fields})
+    assert len(out.choices) == fields.get("n", 1)
+    assert [c.index for c in out.choices] == list(range(len(out.choices)))
+    text = out.choices[0].text
+    if "logit_bias" in fields:
+        assert text == "a" * 6
+    if "echo" in fields:
+        assert text.startswith("Hello") and len(text) > len("Hello")
+    if "n" in fields:  # seeded samples are reproducible
+        again = complete(client, "Hello", max_tokens=6, **{"temperature": 0, **fields})
+        assert [c.text for c in again.choices] == [c.text for c in out.choices]

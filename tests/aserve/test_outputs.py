@@ -4,8 +4,8 @@ record exactly once across trims."""
 from __future__ import annotations
 
 from aserve.core import IterationRecord
-from aserve.metrics import ServerMetrics
 from aserve.cores import Lifecycle
+from aserve.metrics import ServerMetrics
 
 
 def record(i: int) -> IterationRecord:

@@ -4,6 +4,7 @@ healthy throughout. Real opt-tiny engine behind aiohttp's test client."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aserve.config import ServerConfig
 from aserve.server import ENGINE, create_app
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client, server_engine_config
+from tests.reliability.conftest import Gate
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 MAX_BODY_BYTES = 64 * 1024
@@ -54,9 +56,25 @@ CASES: list[tuple[str, object, dict[str, str] | None, int, str | None, str]] = [
     ("empty_token_list", ok(prompt=[]), None, 400, "prompt", "empty"),
     ("empty_prompt_in_batch", ok(prompt=["a", ""]), None, 400, "prompt", "empty"),
     ("mixed_prompt_list", ok(prompt=[5, "a"]), None, 400, "prompt", "prompt"),
-    ("n_2", ok(n=2), None, 400, "n", "n (2)"),
-    ("echo", ok(echo=True), None, 400, "echo", "echo"),
-    ("best_of_2", ok(best_of=2), None, 400, "best_of", "best_of"),
+    ("n_0", ok(n=0), None, 400, "n", "n"),
+    ("n_over_max", ok(n=33), None, 400, "n", "<= 32"),
+    ("best_of_under_n", ok(n=2, best_of=1), None, 400, "best_of", "best_of"),
+    ("best_of_streamed", ok(best_of=2, stream=True), None, 400, "best_of", "stream"),
+    ("suffix", ok(suffix="x"), None, 400, "suffix", "suffix"),
+    ("unknown_field", ok(top_a=0.5), None, 400, "top_a", "top_a"),
+    ("unknown_stream_option", ok(stream=True, stream_options={"continuous_usage_stats": True}),
+     None, 400, "stream_options", "continuous_usage_stats"),
+    ("presence_penalty_over_2", ok(presence_penalty=2.5), None, 400, "presence_penalty",
+     "presence_penalty"),
+    ("frequency_penalty_under_minus_2", ok(frequency_penalty=-3), None, 400,
+     "frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty_zero", ok(repetition_penalty=0), None, 400, "repetition_penalty",
+     "repetition_penalty"),
+    ("logit_bias_key_not_an_id", ok(logit_bias={"a": 1}), None, 400, "logit_bias", "'a'"),
+    ("logit_bias_id_outside_vocab", ok(logit_bias={"99999": 1}), None, 400, "logit_bias",
+     "vocabulary"),
+    ("logit_bias_over_100", ok(logit_bias={"5": 101}), None, 400, "logit_bias",
+     "logit_bias"),
     ("stream_options_without_stream", ok(stream_options={"include_usage": True}), None, 400,
      "stream_options", "stream_options"),
     ("unknown_model", ok(model="gpt-4"), None, 404, "model", "gpt-4"),
@@ -76,7 +94,8 @@ async def test_bad_request_gets_status_and_names_field(
         client: TestClient, payload: object, headers: dict[str, str] | None, status: int,
         param: str | None, needle: str) -> None:
     kwargs = {"data": payload} if isinstance(payload, bytes) else {"json": payload}
-    resp = await client.post("/v1/completions", headers=AUTH if headers is None else headers,
+    headers = {**(AUTH if headers is None else headers), "Content-Type": "application/json"}
+    resp = await client.post("/v1/completions", headers=headers,
                              **kwargs)  # type: ignore[arg-type]
     assert resp.status == status, await resp.text()
     error = (await resp.json())["error"]
@@ -96,16 +115,24 @@ async def test_unknown_route_or_method_is_an_openai_error(client: TestClient, me
 
 
 @MODULE_LOOP
-@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/openapi.json"])
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/openapi.json", "/version"])
 async def test_every_route_but_health_needs_the_api_key(client: TestClient, path: str) -> None:
     assert (await client.get(path)).status == 401
     assert (await client.get(path, headers=AUTH)).status == 200
 
 
+@MODULE_LOOP
+@pytest.mark.parametrize("path", ["/health", "/ping"])
+async def test_liveness_probes_need_no_api_key(client: TestClient, path: str) -> None:
+    assert (await client.get(path)).status == 200
+
+
 JUNK: list[object] = [None, True, -1, 0, 1, 2.5, -1e308, 10**30, "", "x", "\u0000", [], [1],
                       [[1]], [""], ["a", [2, 3]], {}, {"include_usage": "yes"}]
 FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-          "ignore_eos", "min_tokens", "logprobs", "echo", "stream_options", "n", "best_of"]
+          "ignore_eos", "min_tokens", "logprobs", "echo", "stream_options", "n", "best_of",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+          "stop_token_ids"]
 
 
 @MODULE_LOOP
@@ -140,10 +167,19 @@ async def strict_client() -> AsyncIterator[TestClient]:
 
 @MODULE_LOOP
 async def test_over_the_waiting_limit_is_503_with_retry_after(strict_client: TestClient) -> None:
+    engine = strict_client.server.app[ENGINE]
+    gate = Gate(next(iter(engine.ctx.runners.values())), "execute")  # holds the prefill
+    first = asyncio.create_task(strict_client.post("/v1/completions", json=ok(prompt="a")))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    second = asyncio.create_task(strict_client.post("/v1/completions", json=ok(prompt="b")))
+    while engine.num_waiting < 1:  # the second waits: max_waiting (1) is reached
+        await asyncio.sleep(0.005)
     resp = await strict_client.post("/v1/completions", json=ok(prompt=["a", "b"]))
     assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
     assert "max_waiting" in (await resp.json())["error"]["message"]
-    assert (await strict_client.post("/v1/completions", json=ok(prompt="a"))).status == 200
+    gate.open()
+    assert [r.status for r in await asyncio.gather(first, second)] == [200, 200]
+    assert (await strict_client.post("/v1/completions", json=ok(prompt=["a", "b"]))).status == 200
 
 
 @MODULE_LOOP

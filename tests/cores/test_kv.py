@@ -12,8 +12,8 @@ def ledger(**sizes: int) -> BlockLedger:
     return BlockLedger({n: BlockAllocator(k, 4, n) for n, k in sizes.items()}, block_size=4)
 
 
-def seq(num_tokens: int) -> Sequence:
-    request = Request(request_id="a", prompt_token_ids=(1,) * num_tokens,
+def seq(num_tokens: int, request_id: str = "a") -> Sequence:
+    request = Request(request_id=request_id, prompt_token_ids=(1,) * num_tokens,
                       sampling=SamplingParams(), arrival_time=0.0)
     s = Sequence.from_request(request)
     s.num_computed_tokens = num_tokens
@@ -49,3 +49,25 @@ def test_a_full_destination_or_a_failed_copy_changes_nothing() -> None:
     assert move is not None
     kv2.cancel(move)
     assert (kv2.free_blocks("host"), kv2.free_blocks("decode0"), s2.location) == (8, 4, "host")
+
+
+def test_a_fork_copies_the_parents_blocks_as_they_were_reserved() -> None:
+    kv = ledger(prefill0=6)
+    parent, child, other = seq(9), seq(9, "b"), seq(9, "c")
+    kv.allocate(parent, "prefill0", 9)
+    parent_ids = kv.table(parent)
+    move = kv.fork(parent, child, 8)  # all prompt tokens but the last
+    assert move is not None and (move.src, move.dst, move.num_blocks) == ("prefill0",) * 2 + (2,)
+    assert child.location == "prefill0" and kv.free_blocks("prefill0") == 1
+    assert kv.fork(parent, other, 8) is None and not other.location  # full: nothing changed
+    kv.release(parent)  # the parent may finish before the copy; its ids were taken
+    src, dst = kv.tables(move)
+    assert src == parent_ids[:2] and dst == kv.table(child)
+    kv.commit(move, 1.0, 1.0)
+    assert kv.free_blocks("prefill0") == 4 and child.location == "prefill0"
+    failed = kv.fork(child, other, 8)
+    assert failed is not None
+    kv.cancel(failed)  # a failed fork holds nothing, and frees nothing of its source
+    assert not other.location and kv.free_blocks("prefill0") == 4
+    kv.release(child)
+    kv.check_integrity()

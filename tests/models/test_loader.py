@@ -45,7 +45,8 @@ def prefill_logits(path: Path) -> torch.Tensor:
     return PagedRunner(model, [11]).step({0: prompt})[0]
 
 
-@pytest.mark.parametrize("layout", ["sharded_safetensors", "bin", "sharded_bin", "old_prefix"])
+@pytest.mark.parametrize("layout", ["sharded_safetensors", "bin", "sharded_bin", "old_prefix",
+                                    "hub_bin", "hub_sharded_bin"])
 def test_every_layout_loads_the_same_model(tmp_path: Path, layout: str,
                                            hf_pre_ln: dict[str, torch.Tensor]) -> None:
     single, other = tmp_path / "single", tmp_path / "other"
@@ -58,10 +59,38 @@ def test_every_layout_loads_the_same_model(tmp_path: Path, layout: str,
         torch.save(hf_pre_ln, other / "pytorch_model.bin")
     elif layout == "sharded_bin":
         save_bin_shards(hf_pre_ln, other, 3)
+    elif layout.startswith("hub_"):  # facebook/opt-*'s pytorch_model.bin: OPTModel's keys
+        hub = {k.removeprefix("model."): v for k, v in hf_pre_ln.items() if k != "lm_head.weight"}
+        if layout == "hub_bin":
+            torch.save(hub, other / "pytorch_model.bin")
+        else:
+            save_bin_shards(hub, other, 2)
     else:  # facebook/opt-* files name the base model's tensors `decoder.*`, no LM head
         old = {k.removeprefix("model."): v for k, v in hf_pre_ln.items() if k != "lm_head.weight"}
         safetensors.torch.save_file(old, other / "model.safetensors")
     assert rel_err(prefill_logits(other), prefill_logits(single)) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp16_checkpoint_loads_into_another_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
+    hf = make_hf_model("pre_ln").half()
+    hf.save_pretrained(tmp_path)
+    model, _ = load_checkpoint(tmp_path, dtype, "cpu")
+    ours = model.model.decoder.layers[0].fc1.weight
+    assert ours.dtype == dtype
+    assert torch.equal(ours, hf.model.decoder.layers[0].fc1.weight.to(dtype))
+
+
+def test_eos_comes_from_generation_config_then_config(tmp_path: Path) -> None:
+    make_hf_model("pre_ln").save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
+    assert load_checkpoint(tmp_path, torch.float32, "cpu").config.eos_token_id == 7
+    (tmp_path / "generation_config.json").unlink()
+    write_config(tmp_path, eos_token_id=5)
+    assert load_checkpoint(tmp_path, torch.float32, "cpu").config.eos_token_id == 5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    with pytest.raises(ValueError, match=r"eos_token_id lists several ids \(\[7, 8\]\)"):
+        load_checkpoint(tmp_path, torch.float32, "cpu")
 
 
 def test_malicious_pickle_is_refused(tmp_path: Path) -> None:

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from models.tokenizer import (
     ByteTokenizer,
@@ -19,6 +17,7 @@ from models.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from tests.conftest import write_bpe_tokenizer
 
 UNICODE_TEXT = "Hé, 世界! 🙂👍🏽 naïve café — 你好"
 BYTES = ByteTokenizer(vocab_size=50272)
@@ -29,15 +28,9 @@ CORPUS = ["hello world, this is a tiny corpus", "héllo wörld 你好 世界 �
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny byte-level BPE saved as a checkpoint's tokenizer files."""
-    directory = tmp_path_factory.mktemp("tok")
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(CORPUS, trainer)
-    raw.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
+    directory = write_bpe_tokenizer(tmp_path_factory.mktemp("tok"), CORPUS)
+    config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
+              "add_bos_token": True}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
@@ -93,11 +86,15 @@ def test_hf_tokenizer_loads_specials_from_config_and_round_trips(hf_dir: Path) -
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + UNICODE_TEXT
 
 
-def test_load_tokenizer_falls_back_to_bytes_without_tokenizer_json(tmp_path: Path) -> None:
+def test_byte_tokenizer_only_for_presets_or_when_asked(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(None, vocab_size=300), ByteTokenizer)
-    tokenizer = load_tokenizer(tmp_path, vocab_size=300, eos_token_id=2)
+    tokenizer = load_tokenizer("bytes", vocab_size=300, eos_token_id=2)
     assert isinstance(tokenizer, ByteTokenizer)
     assert tokenizer.decode(tokenizer.encode("ok")) == "ok"
+    with pytest.raises(ValueError, match=f"{tmp_path} has no tokenizer files .*--tokenizer"):
+        load_tokenizer(tmp_path, vocab_size=300)
+    with pytest.raises(ValueError, match="'nowhere' is neither 'bytes' nor a directory"):
+        load_tokenizer("nowhere", vocab_size=300)
 
 
 @settings(max_examples=150, deadline=None)

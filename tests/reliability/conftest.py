@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TypeVar
@@ -18,8 +19,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.config import EngineConfig, ServerConfig
 from aserve.engine import Engine
+from aserve.guard import GuardedRunner
 from aserve.runner import WorkItem
 from aserve.server import ENGINE, create_app
+from tests.aserve.conftest import LiveServer
 from tests.aserve.test_engine import settle
 
 T = TypeVar("T")
@@ -143,3 +146,48 @@ async def _started_client(engine_config: EngineConfig,
     client = TestClient(TestServer(create_app(engine_config, server_config)))
     await client.start_server()
     return client
+
+
+class GuardedLiveServer(LiveServer):
+    """A LiveServer on `GuardedRunner`, as `aserve serve` runs: connection limits included."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        super().__init__(engine_config, server_config)
+        self.runner = GuardedRunner(self.app, server_config, handler_cancellation=True,
+                                    shutdown_timeout=5)
+
+    @property
+    def engine(self) -> Engine:
+        return self.app[ENGINE]
+
+
+async def raw_exchange(port: int, chunks: list[bytes], pause: float = 0.0,
+                       timeout: float = 30.0) -> tuple[bytes, float]:
+    """Sends `chunks` on a fresh loopback socket, `pause` seconds apart, then reads until the
+    server closes. Returns what arrived and the seconds from connecting to the close; a
+    server that closes while chunks remain ends the sending too."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.perf_counter()
+    received = bytearray()
+
+    async def read_all() -> None:
+        try:
+            while data := await reader.read(65536):
+                received.extend(data)
+        except ConnectionError:
+            pass
+
+    reading = asyncio.create_task(read_all())
+    try:
+        for chunk in chunks:
+            if reading.done():
+                break
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.wait([reading], timeout=pause)
+        await asyncio.wait_for(reading, timeout)
+    except ConnectionError:
+        await asyncio.wait_for(reading, timeout)
+    finally:
+        writer.close()
+    return bytes(received), time.perf_counter() - start

@@ -172,7 +172,7 @@ async def test_host_pool_refusing_an_allocation_fails_only_its_request() -> None
 # -- a dead actor --------------------------------------------------------------------------
 @pytest_asyncio.fixture
 async def client() -> AsyncIterator[TestClient]:
-    app = create_app(make_config(policy="aligned"), ServerConfig())
+    app = create_app(make_config(policy="aligned"), ServerConfig(health_details=True))
     async with TestClient(TestServer(app)) as c:
         yield c
 

@@ -31,7 +31,8 @@ NUM_MUTATION_CASES = 1300
 SCALES = [pytest.param(1, id="ci"), pytest.param(10, marks=pytest.mark.soak, id="soak")]
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
           "ignore_eos", "min_tokens", "logprobs", "echo", "stream", "stream_options", "n",
-          "best_of", "suffix", "presence_penalty", "frequency_penalty", "user", "no_such_field")
+          "best_of", "suffix", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias", "stop_token_ids", "user", "no_such_field")
 HUGE_NUMBERS = (2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**40, -2**63 - 1,
                 1e308, -1e308, 5e-324, -5e-324, 1e-45, 3.4e38)
 BAD_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
@@ -89,8 +90,9 @@ def check_completion(text: str, case: str) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SyncServer]:
-    srv = SyncServer(server_engine_config(), ServerConfig(api_key=API_KEY,
-                                                          max_body_bytes=MAX_BODY_BYTES))
+    # NOTE: 16 KV blocks (256 tokens): `max_tokens: null` (up to the context) stays cheap
+    srv = SyncServer(server_engine_config(num_decode_blocks=16, num_prefill_blocks=16),
+                     ServerConfig(api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES))
     try:
         yield srv
     finally:
@@ -115,7 +117,8 @@ def request_schema(server: SyncServer) -> dict[str, object]:
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]
     components = copy.deepcopy(doc["components"])
     props = components["schemas"]["CompletionRequest"]["properties"]
-    props["max_tokens"]["maximum"] = MAX_FUZZ_TOKENS
+    # NOTE: not null, which asks for the whole context (the mutations still send null)
+    props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": MAX_FUZZ_TOKENS}
     return {**body["content"]["application/json"]["schema"], "components": components}
 
 

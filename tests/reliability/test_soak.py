@@ -22,8 +22,8 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from aserve.config import ServerConfig
-from aserve.engine import Engine
 from aserve.cores.kv import LOCATIONS
+from aserve.engine import Engine
 from aserve.server import ENGINE, METRICS, create_app
 from tests.aserve.conftest import MODEL, server_engine_config
 from tests.aserve.test_engine import settle

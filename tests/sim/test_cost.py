@@ -42,7 +42,7 @@ def test_split_k_is_the_cheapest_kernel_for_any_batch(lengths: list[int]) -> Non
 
 
 def test_skew_costs_per_seq_but_not_split_k_at_equal_work() -> None:
-    """DESIGN §1: 60 x 632 + 4 x 4696 tokens against 64 x 947 (the same total KV)."""
+    """docs/design.md §8: 60 x 632 + 4 x 4696 tokens against 64 x 947 (the same total KV)."""
     skewed = [632] * 60 + [4696] * 4
     uniform = [sum(skewed) // 64] * 64
     split, per_seq = _model("split-k"), _model("per-seq")

@@ -2,7 +2,7 @@
 short-share sweep with Figs. 13/14 from the same runs, the Azure `code` replay for every
 policy, two identical runs for the spread, and client mode against our own server.
 
-Each test runs one `aserve bench` command; results land in bench/results/ (see RESULTS.md).
+Each test runs one `aserve bench` command; results land in benchmarks/results/ (see RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 
 from bench.bench_cli import HTTP_SYSTEM
 from bench.harness import model_config, size_engine
-from bench.test_bench_engine import RESULTS, run_cli, throughput
 from bench.workloads import synthetic
+from benchmarks.test_bench_engine import RESULTS, run_cli, throughput
 
 pytestmark = pytest.mark.bench
 POLICIES = "aligned,aligned-loose,aligned-noprefetch,fcfs,continuous"

@@ -33,7 +33,7 @@ MS = 1e3
 
 
 def run_cli(name: str, argv: list[str], tmp_path: Path) -> dict[str, object]:
-    """`aserve bench` with results in bench/results/NAME.json (+ .md), logs in tmp."""
+    """`aserve bench` with results in benchmarks/results/NAME.json (+ .md), logs in tmp."""
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{name}.json"
     assert bench_cli.main([*argv, "--json", str(out), "--iterations", str(tmp_path)]) == 0

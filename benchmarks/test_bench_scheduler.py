@@ -1,7 +1,7 @@
 """Scheduler micro-benchmarks: DFS over a large pool and the full per-iteration decision.
 
 Pure Python, no torch: times only the policy calls (the engine's view building is not
-included). Run with `pytest -q -s -m bench bench/test_bench_scheduler.py`.
+included). Run with `pytest -q -s -m bench benchmarks/test_bench_scheduler.py`.
 """
 
 from __future__ import annotations
