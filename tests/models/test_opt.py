@@ -96,6 +96,24 @@ def test_low_precision_decode_tracks_float32(dtype: torch.dtype) -> None:
     assert rel_err(logits[1], logits[0]) < 5e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) -> None:
+    native, cfg = build_preset("opt-tiny", dtype, "cpu", seed=8)
+    upcast, _ = build_preset("opt-tiny", dtype, "cpu", seed=8)
+    upcast.use_float32_matmuls()
+    model32, _ = build_preset("opt-tiny", torch.float32, "cpu", seed=8)
+    prompts = random_prompts([30, 70], cfg.vocab_size)
+    logits = []
+    for model in (native, upcast, model32):
+        runner = PagedRunner(model, [71, 71])
+        runner.step(dict(enumerate(prompts)))
+        logits.append(torch.cat(runner.step({0: [7], 1: [9]})))
+    assert rel_err(logits[1], logits[0]) < 2e-2  # summation order and rounding only
+    assert rel_err(logits[1], logits[2]) < 5e-2
+    assert upcast.model.decoder.layers[0].fc1.weight.dtype == torch.float32
+    assert upcast.model.decoder.layers[0].final_layer_norm.weight.dtype == dtype
+
+
 def test_sequence_beyond_position_limit_raises() -> None:
     model, _ = build_preset("opt-tiny", torch.float32, "cpu", max_position_embeddings=8)
     meta = AttentionMetadata.build([9], [9], [[1, 2, 3]], 4, "cpu")
