@@ -133,7 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,16,64", help="batch sizes (default 1,16,64)")
     p.add_argument("--phases", default="decode,prefill", help="default decode,prefill")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--native-half-matmuls", action="store_true",
+                   help="keep torch's bf16/fp16 GEMM even where the runner would compute the "
+                        "matmuls in float32 (the engine before issue 17; default off)")
     args = p.parse_args(argv)
+    if args.native_half_matmuls:
+        runner_module.fit_matmuls_to = lambda model, device: False
     runner = ModelRunner(ModelConfig(model=args.model, dtype=args.dtype), torch.device("cpu"),
                          BLOCK_SIZE)
     print(f"{args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} "

@@ -118,19 +118,37 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
                         elementwise_affine=cfg.layer_norm_elementwise_affine)
 
 
-class Float32Linear(nn.Module):
-    """A half-precision `nn.Linear` computed in float32: the same (exactly upcast) weights,
-    inputs upcast, float32 accumulation, output rounded back to the input's dtype -- what a
-    native bf16/fp16 GEMM computes, at float32 GEMM speed on CPUs that have no such GEMM."""
+PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class Float32Linear(nn.Module):
+    """An `nn.Linear` computed in float32 from a weight prepacked once for oneDNN: inputs
+    upcast exactly, float32 accumulation, output in the input's dtype. For a bf16/fp16
+    model that is what a native half GEMM computes, at float32 GEMM speed on CPUs that have
+    none; for a float32 model it is the same product without repacking the weight per call.
+    `weight` stays the original tensor (its values and dtype, e.g. for a state dict)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
-        self.bias = (None if linear.bias is None else
-                     nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                           requires_grad=False)
+        w = weight.detach().float()
+        self.is_packed = torch.backends.mkldnn.is_available()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
+                             if self.is_packed else w, persistent=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Float32Linear:
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+        x32 = x.float()  # [num_tokens, in]
+        if self.is_packed:
+            out = torch.ops.mkldnn._linear_pointwise(x32, self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(x32, self.packed, self.bias)
+        return out.to(x.dtype)  # [num_tokens, out]
 
 
 def has_half_matmul(dtype: torch.dtype) -> bool:
@@ -140,6 +158,18 @@ def has_half_matmul(dtype: torch.dtype) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def fit_matmuls_to(model: OPTForCausalLM, device: torch.device) -> bool:
+    """On a CPU, switches `model` to prepacked float32 matmuls (`Float32Linear`) when its
+    dtype is float32, or bf16/fp16 without a native GEMM (`has_half_matmul`); float64 and
+    half precision with a native GEMM stay as they are. Returns whether it switched."""
+    dtype = model.model.decoder.embed_tokens.weight.dtype
+    if device.type != "cpu" or dtype == torch.float64 or (
+            dtype != torch.float32 and has_half_matmul(dtype)):
+        return False
+    model.use_float32_matmuls()
     return True
 
 
@@ -239,17 +269,20 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _OPTModel(cfg)
-        self.lm_head_weight: Tensor | None = None  # float32 copy (`use_float32_matmuls`)
+        self.lm_head: Float32Linear | None = None  # set by `use_float32_matmuls`
 
     def use_float32_matmuls(self) -> None:
-        """Computes every linear layer and the LM head in float32 from float32 copies of
-        the weights (memory: 2x the half-precision weights); activations, LayerNorms,
-        attention and the KV cache keep the model's dtype. For CPUs without a half GEMM."""
+        """Computes every linear layer and the LM head in float32 from prepacked float32
+        weights (`Float32Linear`; memory: one float32 copy of the matmul weights besides
+        the originals); activations, LayerNorms, attention and the KV cache keep the
+        model's dtype."""
         for module in list(self.modules()):
             for name, child in module.named_children():
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, Float32Linear(child))
-        self.lm_head_weight = self.model.decoder.embed_tokens.weight.detach().float()
+                    setattr(module, name, Float32Linear.of(child))
+        # NOTE: not a submodule: the tied weight must not appear twice in parameters().
+        object.__setattr__(self, "lm_head",
+                           Float32Linear(self.model.decoder.embed_tokens.weight, None))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -263,6 +296,6 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits (float32
         after `use_float32_matmuls`)."""
-        if self.lm_head_weight is not None:
-            return F.linear(hidden.float(), self.lm_head_weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden.float())
         return F.linear(hidden, self.model.decoder.embed_tokens.weight)

@@ -12,7 +12,7 @@ import transformers
 
 from models.attention import AttentionMetadata, get_backend
 from models.loader import build_preset, load_checkpoint
-from models.opt import PRESETS, OPTConfig
+from models.opt import PRESETS, Float32Linear, OPTConfig, fit_matmuls_to
 from tests.models.conftest import PagedRunner, random_prompts, rel_err
 
 HFCheckpoint = tuple[transformers.OPTForCausalLM, Path]
@@ -110,8 +110,19 @@ def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) ->
         logits.append(torch.cat(runner.step({0: [7], 1: [9]})))
     assert rel_err(logits[1], logits[0]) < 2e-2  # summation order and rounding only
     assert rel_err(logits[1], logits[2]) < 5e-2
-    assert upcast.model.decoder.layers[0].fc1.weight.dtype == torch.float32
+    assert isinstance(upcast.model.decoder.layers[0].fc1, Float32Linear)
     assert upcast.model.decoder.layers[0].final_layer_norm.weight.dtype == dtype
+
+
+def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint) -> None:
+    hf, path = hf_checkpoint
+    model, _ = load_checkpoint(path, torch.float32, "cpu")
+    assert fit_matmuls_to(model, torch.device("cpu"))
+    prompts = random_prompts([1, 7, 13, 30, 4], hf.config.vocab_size, seed=4)
+    logits = PagedRunner(model, [len(p) for p in prompts]).step(dict(enumerate(prompts)))
+    for ids, ours in zip(prompts, logits):
+        assert rel_err(ours, hf_logits(hf, ids)) < 1e-5
+    assert sum(p.numel() for p in model.parameters()) == hf.num_parameters()
 
 
 def test_sequence_beyond_position_limit_raises() -> None:
