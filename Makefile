@@ -18,8 +18,13 @@ setup: $(STAMP)
 
 run: serve
 
+# NOTE: the GNU OpenMP runtime torch ships spins its idle threads; on a shared CPU that
+# made decode steps 4x slower (bench/RESULTS.md, issue 17). Idle threads sleep instead, and
+# vLLM's libiomp5 is preloaded when `make peers` has installed it (the same runtime as vLLM).
+IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
 serve: $(STAMP)
-	$(BIN)/aserve serve --model opt-125m
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
+		$(BIN)/aserve serve --model opt-125m
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m "not bench and not soak and not gpu" tests

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -286,11 +287,8 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
         in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         in_path.write_text(json.dumps(spec))
         threads = torch.get_num_threads()
-        proc = subprocess.run([str(python), str(VLLM_DRIVER), str(in_path), str(out_path)],
-                              env=vllm_env(venv, threads), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"vLLM driver exited with {proc.returncode}:\n"
-                               f"{proc.stderr[-4000:]}")
+        _run_driver([str(python), str(VLLM_DRIVER), str(in_path), str(out_path)],
+                    vllm_env(venv, threads), Path(tmp) / "driver.log")
         out = json.loads(out_path.read_text())
     events: list[Event] = []
     token_ids: dict[str, list[int]] = {}
@@ -301,3 +299,18 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
         if on_finish is not None:
             on_finish()
     return RunResult(system, events, [], token_ids, out["end"] - out["start"])
+
+
+def _run_driver(argv: list[str], env: dict[str, str], log: Path) -> None:
+    """Runs the driver in its own process group, so that vLLM's engine-core processes end
+    with it even when the benchmark is interrupted."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the group is gone on success
+                os.killpg(proc.pid, signal.SIGKILL)
+    if code != 0:
+        raise RuntimeError(f"vLLM driver exited with {code}:\n{log.read_text()[-4000:]}")

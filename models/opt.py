@@ -128,6 +128,8 @@ class Float32Linear(nn.Module):
     none; for a float32 model it is the same product without repacking the weight per call.
     `weight` stays the original tensor (its values and dtype, e.g. for a state dict)."""
 
+    packed: Tensor  # [out, in] float32, in oneDNN's blocked layout when `is_packed`
+
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
