@@ -119,6 +119,7 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
 
 
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
+PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
 
 
 class Float32Linear(nn.Module):
@@ -136,7 +137,8 @@ class Float32Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
         w = weight.detach().float()
-        self.is_packed = torch.backends.mkldnn.is_available()
+        self.is_packed = (torch.backends.mkldnn.is_available()
+                          and weight.numel() >= PACK_MIN_WEIGHTS)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
                              if self.is_packed else w, persistent=False)
 

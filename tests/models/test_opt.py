@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+import models.opt
 from models.attention import AttentionMetadata, get_backend
 from models.loader import build_preset, load_checkpoint
 from models.opt import PRESETS, Float32Linear, OPTConfig, fit_matmuls_to
@@ -114,10 +115,13 @@ def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) ->
     assert upcast.model.decoder.layers[0].final_layer_norm.weight.dtype == dtype
 
 
-def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint) -> None:
+def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     hf, path = hf_checkpoint
     model, _ = load_checkpoint(path, torch.float32, "cpu")
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)  # pack the tiny weights too
     assert fit_matmuls_to(model, torch.device("cpu"))
+    assert model.model.decoder.layers[0].fc1.is_packed == torch.backends.mkldnn.is_available()
     prompts = random_prompts([1, 7, 13, 30, 4], hf.config.vocab_size, seed=4)
     logits = PagedRunner(model, [len(p) for p in prompts]).step(dict(enumerate(prompts)))
     for ids, ours in zip(prompts, logits):
