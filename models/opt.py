@@ -129,18 +129,22 @@ class Float32Linear(nn.Module):
     none; for a float32 model it is the same product without repacking the weight per call.
     `weight` stays the original tensor (its values and dtype, e.g. for a state dict)."""
 
-    packed: Tensor  # [out, in] float32, in oneDNN's blocked layout when `is_packed`
-
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
-        w = weight.detach().float()
         self.is_packed = (torch.backends.mkldnn.is_available()
                           and weight.numel() >= PACK_MIN_WEIGHTS)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
-                             if self.is_packed else w, persistent=False)
+        # NOTE: packed on the first forward, in the runner's thread: packing opt-125m takes
+        # seconds on a slow CPU, which start-up (and /health) should not wait for.
+        self.packed: Tensor | None = None  # [out, in] float32 (oneDNN layout if is_packed)
+
+    def _pack(self) -> Tensor:
+        w = self.weight.detach().float()  # [out, in]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH) if self.is_packed else w
+        self.packed = packed
+        return packed
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Float32Linear:
@@ -148,10 +152,11 @@ class Float32Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()  # [num_tokens, in]
+        packed = self._pack() if self.packed is None else self.packed
         if self.is_packed:
-            out = torch.ops.mkldnn._linear_pointwise(x32, self.packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias, "none", [], "")
         else:
-            out = F.linear(x32, self.packed, self.bias)
+            out = F.linear(x32, packed, self.bias)
         return out.to(x.dtype)  # [num_tokens, out]
 
 
