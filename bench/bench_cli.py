@@ -31,7 +31,8 @@ from bench.harness import (
 from bench.metrics import Summary, request_metrics
 from bench.workloads import WORKLOADS, Workload, load_workload
 
-PEERS = ("transformers", "transformers-cb")  # static `generate` batches, continuous batching
+PEERS = ("transformers", "transformers-cb", "vllm")  # static `generate` batches, continuous
+# batching, vLLM's CPU build (its own virtualenv: `make peers`)
 HTTP_SYSTEM = "http"  # the server at --url, in client mode
 DEFAULT_LENGTH_SCALE = 0.125  # CPU scale: the paper's lengths / 8
 ABLATION = {"aligned/paged": "aligned", "aligned-noprefetch/paged": "no GPU prefetch",
@@ -106,6 +107,9 @@ def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: 
     if name in PEERS:
         from bench import peers
 
+        if name == "vllm":
+            return peers.run_vllm(s.model, s.dtype, s.seed, workload, prompts, s.realtime,
+                                  system=name, on_finish=on_finish)
         model = peers.build_hf_model(s.model, s.dtype, s.seed)
         run = peers.run_static_generate if name == "transformers" else peers.run_continuous_batching
         return run(model, workload, prompts, s.realtime, system=name, on_finish=on_finish)
@@ -127,7 +131,10 @@ def build_workloads(args: argparse.Namespace, max_len: int) -> list[Workload]:
     common = dict(num_requests=args.num_requests, length_scale=args.length_scale,
                   max_len=max_len, seed=args.seed)
     if args.workload == "synthetic":
-        return [load_workload("synthetic", short_ratio=ratio, rate=args.rate, **common)
+        ranges = {k: v for k, v in (("short_range", args.short_range),
+                                    ("long_range", args.long_range),
+                                    ("output_range", args.output_range)) if v is not None}
+        return [load_workload("synthetic", short_ratio=ratio, rate=args.rate, **common, **ranges)
                 for ratio in args.short_ratio]
     if args.workload == "sharegpt4":
         return [load_workload("sharegpt4", rate=args.rate, **common)]
@@ -216,6 +223,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="synthetic lengths, or a real trace from bench/data/")
     p.add_argument("--short-ratio", type=_floats, default=[0.95],
                    help="share of short requests (synthetic); a comma list sweeps (Fig. 7)")
+    p.add_argument("--short-range", type=_range, default=None,
+                   help="synthetic: short prompt lengths LOW,HIGH before --length-scale; "
+                        "None: 16,1000")
+    p.add_argument("--long-range", type=_range, default=None,
+                   help="synthetic: long prompt lengths LOW,HIGH; None: 1000,8000")
+    p.add_argument("--output-range", type=_range, default=None,
+                   help="synthetic: output lengths LOW,HIGH or one length; None: 16,256")
     p.add_argument("--num-requests", type=int, default=64, help="requests per workload")
     p.add_argument("--length-scale", type=float, default=DEFAULT_LENGTH_SCALE,
                    help="multiplies every prompt and output length (CPU scale: 1/8)")
@@ -250,6 +264,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _range(text: str) -> tuple[int, int]:
+    values = [int(x) for x in text.split(",")]
+    if len(values) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text!r} must be LOW,HIGH or one length")
+    return (values[0], values[-1])
 
 
 def _names(text: str) -> list[str]:

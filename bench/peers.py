@@ -1,5 +1,6 @@
-"""The `transformers` peer: `OPTForCausalLM` on the SAME weights as our engine, run with
-`generate` on static batches (left padding) and with its continuous-batching manager.
+"""Peers on the SAME weights as our engine: `transformers`' `OPTForCausalLM` run with
+`generate` on static batches (left padding) and with its continuous-batching manager, and
+vLLM's CPU build (in its own virtualenv, through bench/vllm_driver.py).
 
 Token times come from a streamer (static batches) or the manager's timestamps, turned into
 the same lifecycle events the engine emits, so bench.metrics treats both alike.
@@ -9,8 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import signal
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 import transformers
@@ -225,3 +232,85 @@ def run_continuous_batching(model: transformers.OPTForCausalLM, workload: Worklo
                 if on_finish is not None:
                     on_finish()
     return RunResult(system, events, [], token_ids, time.perf_counter() - start)
+
+
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # `make peers` builds it
+VLLM_DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
+VLLM_KVCACHE_GB = 4  # VLLM_CPU_KVCACHE_SPACE: room for every request of these workloads
+
+
+def vllm_env(venv: Path, num_threads: int) -> dict[str, str]:
+    """vLLM's documented CPU setup: every core computes (none reserved for the front end),
+    OpenMP threads bound to them, its own libiomp5 preloaded, a fixed KV cache size."""
+    env = dict(os.environ)
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{num_threads - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(VLLM_KVCACHE_GB))
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    env.pop("PYTHONPATH", None)  # the driver imports vllm only, from its own environment
+    return env
+
+
+def save_checkpoint(model: str, dtype: str, seed: int, folder: Path) -> Path:
+    """The Hub layout of `model` (config.json + safetensors): a checkpoint directory as it
+    is, a preset's seeded weights written through transformers' `save_pretrained`."""
+    if Path(model).is_dir():
+        return Path(model)
+    build_hf_model(model, dtype, seed).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
+             prompts: Sequence[list[int]], realtime: bool = True, system: str = "vllm",
+             on_finish: OnFinish | None = None, venv: Path = VLLM_VENV) -> RunResult:
+    """vLLM's CPU build on the same weights and prompt token ids, greedy, EOS ignored, each
+    request added at its arrival time (all at once unless `realtime`); run in a subprocess
+    in its own virtualenv, through `LLMEngine.step` as `LLM.generate` runs it.
+
+    Raises:
+        RuntimeError: the virtualenv is missing (`make peers`) or the driver failed.
+    """
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise RuntimeError(f"system 'vllm' needs the vllm-cpu virtualenv at {venv}: "
+                           "run `make peers` first")
+    with tempfile.TemporaryDirectory(prefix="aserve-vllm-") as tmp:
+        folder = save_checkpoint(model, dtype, seed, Path(tmp) / "checkpoint")
+        spec = {"model": str(folder), "dtype": dtype,
+                "max_model_len": json.loads((folder / "config.json").read_text())[
+                    "max_position_embeddings"],
+                "requests": [{"request_id": r.request_id, "prompt_token_ids": list(ids),
+                              "output_len": r.output_len,
+                              "arrival_time": r.arrival_time if realtime else 0.0}
+                             for r, ids in zip(workload.requests, prompts, strict=True)]}
+        in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        in_path.write_text(json.dumps(spec))
+        threads = torch.get_num_threads()
+        _run_driver([str(python), str(VLLM_DRIVER), str(in_path), str(out_path)],
+                    vllm_env(venv, threads), Path(tmp) / "driver.log")
+        out = json.loads(out_path.read_text())
+    events: list[Event] = []
+    token_ids: dict[str, list[int]] = {}
+    for req in workload.requests:
+        got = out["requests"][req.request_id]
+        token_ids[req.request_id] = got["token_ids"]
+        events.extend(_token_events(req.request_id, got["arrival"], got["times"]))
+        if on_finish is not None:
+            on_finish()
+    return RunResult(system, events, [], token_ids, out["end"] - out["start"])
+
+
+def _run_driver(argv: list[str], env: dict[str, str], log: Path) -> None:
+    """Runs the driver in its own process group, so that vLLM's engine-core processes end
+    with it even when the benchmark is interrupted."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the group is gone on success
+                os.killpg(proc.pid, signal.SIGKILL)
+    if code != 0:
+        raise RuntimeError(f"vLLM driver exited with {code}:\n{log.read_text()[-4000:]}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -117,6 +118,70 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
                         elementwise_affine=cfg.layer_norm_elementwise_affine)
 
 
+PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
+PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
+
+
+class Float32Linear(nn.Module):
+    """An `nn.Linear` computed in float32 from a weight prepacked once for oneDNN: inputs
+    upcast exactly, float32 accumulation, output in the input's dtype. For a bf16/fp16
+    model that is what a native half GEMM computes, at float32 GEMM speed on CPUs that have
+    none; for a float32 model it is the same product without repacking the weight per call.
+    `weight` stays the original tensor (its values and dtype, e.g. for a state dict)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                           requires_grad=False)
+        self.is_packed = (torch.backends.mkldnn.is_available()
+                          and weight.numel() >= PACK_MIN_WEIGHTS)
+        # NOTE: packed on the first forward, in the runner's thread: packing opt-125m takes
+        # seconds on a slow CPU, which start-up (and /health) should not wait for.
+        self.packed: Tensor | None = None  # [out, in] float32 (oneDNN layout if is_packed)
+
+    def _pack(self) -> Tensor:
+        w = self.weight.detach().float()  # [out, in]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH) if self.is_packed else w
+        self.packed = packed
+        return packed
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Float32Linear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # [num_tokens, in]
+        packed = self._pack() if self.packed is None else self.packed
+        if self.is_packed:
+            out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(x32, packed, self.bias)
+        return out.to(x.dtype)  # [num_tokens, out]
+
+
+def has_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU has a native GEMM for `dtype` (oneDNN: AVX-512 BF16/FP16 or AMX);
+    without one, torch's bf16/fp16 matmuls run several times slower than float32."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def fit_matmuls_to(model: OPTForCausalLM, device: torch.device) -> bool:
+    """On a CPU, switches `model` to prepacked float32 matmuls (`Float32Linear`) when its
+    dtype is float32, or bf16/fp16 without a native GEMM (`has_half_matmul`); float64 and
+    half precision with a native GEMM stay as they are. Returns whether it switched."""
+    dtype = model.model.decoder.embed_tokens.weight.dtype
+    if device.type != "cpu" or dtype == torch.float64 or (
+            dtype != torch.float32 and has_half_matmul(dtype)):
+        return False
+    model.use_float32_matmuls()
+    return True
+
+
 class OPTAttention(nn.Module):
     """Self-attention with one fused QKV projection (HF's q/k/v weights concatenated)."""
 
@@ -213,6 +278,20 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _OPTModel(cfg)
+        self.lm_head: Float32Linear | None = None  # set by `use_float32_matmuls`
+
+    def use_float32_matmuls(self) -> None:
+        """Computes every linear layer and the LM head in float32 from prepacked float32
+        weights (`Float32Linear`; memory: one float32 copy of the matmul weights besides
+        the originals); activations, LayerNorms, attention and the KV cache keep the
+        model's dtype."""
+        for module in list(self.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, Float32Linear.of(child))
+        # NOTE: not a submodule: the tied weight must not appear twice in parameters().
+        object.__setattr__(self, "lm_head",
+                           Float32Linear(self.model.decoder.embed_tokens.weight, None))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -224,5 +303,8 @@ class OPTForCausalLM(nn.Module):
         return self.model.decoder(input_ids, positions, kv_cache, meta, backend)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits."""
+        """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits (float32
+        after `use_float32_matmuls`)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden.float())
         return F.linear(hidden, self.model.decoder.embed_tokens.weight)

@@ -67,7 +67,7 @@ def test_cli_writes_documented_json_for_two_policies(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_unknown_system(tmp_path: Path) -> None:
-    code = bench_cli.main(["--systems", "vllm", "--json", str(tmp_path / "x.json")])
+    code = bench_cli.main(["--systems", "sglang", "--json", str(tmp_path / "x.json")])
     assert code == 2 and not (tmp_path / "x.json").exists()
 
 

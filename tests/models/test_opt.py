@@ -10,9 +10,10 @@ import pytest
 import torch
 import transformers
 
+import models.opt
 from models.attention import AttentionMetadata, get_backend
 from models.loader import build_preset, load_checkpoint
-from models.opt import PRESETS, OPTConfig
+from models.opt import PRESETS, Float32Linear, OPTConfig, fit_matmuls_to
 from tests.models.conftest import PagedRunner, random_prompts, rel_err
 
 HFCheckpoint = tuple[transformers.OPTForCausalLM, Path]
@@ -94,6 +95,38 @@ def test_low_precision_decode_tracks_float32(dtype: torch.dtype) -> None:
         runner.step(dict(enumerate(prompts)))
         logits.append(torch.cat(runner.step({0: [7], 1: [9]})))
     assert rel_err(logits[1], logits[0]) < 5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) -> None:
+    native, cfg = build_preset("opt-tiny", dtype, "cpu", seed=8)
+    upcast, _ = build_preset("opt-tiny", dtype, "cpu", seed=8)
+    upcast.use_float32_matmuls()
+    model32, _ = build_preset("opt-tiny", torch.float32, "cpu", seed=8)
+    prompts = random_prompts([30, 70], cfg.vocab_size)
+    logits = []
+    for model in (native, upcast, model32):
+        runner = PagedRunner(model, [71, 71])
+        runner.step(dict(enumerate(prompts)))
+        logits.append(torch.cat(runner.step({0: [7], 1: [9]})))
+    assert rel_err(logits[1], logits[0]) < 2e-2  # summation order and rounding only
+    assert rel_err(logits[1], logits[2]) < 5e-2
+    assert isinstance(upcast.model.decoder.layers[0].fc1, Float32Linear)
+    assert upcast.model.decoder.layers[0].final_layer_norm.weight.dtype == dtype
+
+
+def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    hf, path = hf_checkpoint
+    model, _ = load_checkpoint(path, torch.float32, "cpu")
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)  # pack the tiny weights too
+    assert fit_matmuls_to(model, torch.device("cpu"))
+    assert model.model.decoder.layers[0].fc1.is_packed == torch.backends.mkldnn.is_available()
+    prompts = random_prompts([1, 7, 13, 30, 4], hf.config.vocab_size, seed=4)
+    logits = PagedRunner(model, [len(p) for p in prompts]).step(dict(enumerate(prompts)))
+    for ids, ours in zip(prompts, logits):
+        assert rel_err(ours, hf_logits(hf, ids)) < 1e-5
+    assert sum(p.numel() for p in model.parameters()) == hf.num_parameters()
 
 
 def test_sequence_beyond_position_limit_raises() -> None:

@@ -1,0 +1,158 @@
+"""Where one engine step's time goes: `torch.profiler` over `ModelRunner.execute_sync` for a
+decode step and a prefill at several batch sizes, split into linear layers, LM head,
+attention, sampler, metadata and the rest (embeddings, LayerNorms, residual adds, Python).
+
+    python -m bench.profile_step --model opt-125m --dtype bfloat16 --context 128
+
+Labels come from record_function ranges this script wraps around the pieces (module hooks on
+the linear layers and the attention modules, wrappers around the runner's metadata build,
+LM head and sampler); the engine itself carries no profiling code. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import aserve.runner as runner_module
+from aserve.config import ModelConfig
+from aserve.runner import ModelRunner, WorkItem
+from models.opt import Float32Linear, OPTAttention
+
+BLOCK_SIZE = 16  # tokens per KV block
+PARTS = ("linear", "lm_head", "attention", "sampler", "metadata")  # labelled ranges
+COPY_OPS = ("aten::copy_", "aten::index_copy_", "aten::clone", "aten::cat", "aten::contiguous")
+
+
+def work(batch: int, context: int, phase: str, vocab: int) -> tuple[list[WorkItem], int]:
+    """`batch` sequences of `context` cached tokens taking one decode token each, or
+    `batch` prompts of `context` tokens; returns the items and the KV blocks they need."""
+    per_seq = -(-(context + 1) // BLOCK_SIZE)
+    items = []
+    for i in range(batch):
+        table = list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
+        ids = [(7 * i + j) % (vocab - 4) + 4 for j in range(context if phase == "prefill" else 1)]
+        start = 0 if phase == "prefill" else context
+        items.append(WorkItem(ids, start, table, True, 0.0, 1.0, -1, None, 0))
+    return items, 1 + batch * per_seq
+
+
+@contextmanager
+def labelled(runner: ModelRunner) -> Iterator[None]:
+    """Puts record_function ranges around the linear layers, attention modules, LM head,
+    sampler and metadata build of `runner` for the duration of the block."""
+    ranges: dict[int, Any] = {}
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, *args: object) -> None:
+            ranges[id(module)] = record_function(name).__enter__()
+        return hook
+
+    def leave(module: nn.Module, *args: object) -> None:
+        ranges.pop(id(module)).__exit__(None, None, None)
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    handles = []
+    for module in runner.model.modules():
+        name = ("linear" if isinstance(module, (nn.Linear, Float32Linear)) else
+                "attention" if isinstance(module, OPTAttention) else None)
+        if name is not None:
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave))
+    saved = (runner._prepare, runner.model.compute_logits, runner_module.sample)
+    runner._prepare = wrap("metadata", runner._prepare)  # type: ignore[method-assign]
+    runner.model.compute_logits = wrap("lm_head", runner.model.compute_logits)  # type: ignore
+    runner_module.sample = wrap("sampler", runner_module.sample)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        runner._prepare, runner.model.compute_logits, runner_module.sample = saved  # type: ignore
+
+
+def split(prof: profile, wall_ms: float) -> dict[str, float]:
+    """Milliseconds per part; attention excludes the linear layers it calls; `copies` is the
+    self time of copy ops wherever they ran (already counted in some part)."""
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.name in PARTS:
+            total[event.name] += event.cpu_time_total / 1e3
+        if event.name in COPY_OPS:
+            total["copies"] += event.self_cpu_time_total / 1e3
+    linear_in_attention = sum(
+        e.cpu_time_total for e in prof.events()
+        if e.name == "linear" and e.cpu_parent is not None and e.cpu_parent.name == "attention")
+    total["attention"] -= linear_in_attention / 1e3
+    total["other"] = wall_ms - sum(total[p] for p in PARTS)
+    return dict(total)
+
+
+def profile_step(runner: ModelRunner, batch: int, context: int, phase: str,
+                 repeats: int) -> tuple[float, dict[str, float]]:
+    """Median wall ms of `repeats` steps, and the split of one profiled step."""
+    items, num_blocks = work(batch, context, phase, runner.model_config.vocab_size)
+    cfg = runner.model_config
+    kv = torch.randn(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_heads, cfg.head_dim,
+                     dtype=runner.model.model.decoder.embed_tokens.weight.dtype)
+    runner.execute_sync(items, kv)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute_sync(items, kv)
+        times.append((time.perf_counter() - start) * 1e3)
+    with labelled(runner), profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        runner.execute_sync(items, kv)
+        wall = (time.perf_counter() - start) * 1e3
+    parts = split(prof, wall)
+    return statistics.median(times), {k: v * 100 / wall for k, v in parts.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__)
+    p.add_argument("--model", default="opt-125m", help="preset or checkpoint (default opt-125m)")
+    p.add_argument("--dtype", default="bfloat16", help="default bfloat16")
+    p.add_argument("--context", type=int, default=128,
+                   help="cached tokens per decode sequence, prompt tokens per prefill "
+                        "(default 128)")
+    p.add_argument("--batches", default="1,16,64", help="batch sizes (default 1,16,64)")
+    p.add_argument("--phases", default="decode,prefill", help="default decode,prefill")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--native-half-matmuls", action="store_true",
+                   help="keep torch's bf16/fp16 GEMM even where the runner would compute the "
+                        "matmuls in float32 (the engine before issue 17; default off)")
+    args = p.parse_args(argv)
+    if args.native_half_matmuls:
+        runner_module.fit_matmuls_to = lambda model, device: False
+    runner = ModelRunner(ModelConfig(model=args.model, dtype=args.dtype), torch.device("cpu"),
+                         BLOCK_SIZE)
+    print(f"{args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} "
+          f"threads, load average {' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())}")
+    print("| phase | batch | step ms (median) | " + " | ".join(f"{p} %" for p in PARTS)
+          + " | other % | copies % |")
+    print("|---" * (len(PARTS) + 5) + "|")
+    for phase in args.phases.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            ms, parts = profile_step(runner, batch, args.context, phase, args.repeats)
+            cells = " | ".join(f"{parts.get(k, 0.0):.0f}" for k in (*PARTS, "other", "copies"))
+            print(f"| {phase} | {batch} | {ms:.1f} | {cells} |", flush=True)
+    runner.shutdown()
+
+
+if __name__ == "__main__":
+    main()
