@@ -356,6 +356,19 @@ def environ() -> Mapping[str, str]:
     return os.environ
 
 
+SERVER_LIMITS = (  # ServerConfig's numeric limits: (field, help); typed as their default
+    ("max_body_bytes", "larger request bodies get HTTP 413"),
+    ("header_timeout", "seconds a connection may take to send a request's headers"),
+    ("body_timeout", "seconds a request body may take once its headers are in; then 408"),
+    ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
+    ("max_connections", "open connections served at once; a connection past it gets 503 and "
+                        "is closed"),
+    ("max_request_prompts", "prompts one request may carry; more get 400"),
+    ("max_request_tokens", "prompt tokens plus max_tokens, summed over one request's prompts; "
+                           "more get 400"),
+)
+
+
 def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Adds the HTTP server options; each defaults to its ASERVE_* variable."""
     s = ServerConfig()
@@ -365,38 +378,21 @@ def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     parser.add_argument("--port", type=int, default=d("port", s.port),
                         help="TCP port (0: any free port)")
     parser.add_argument("--api-key", default=d("api_key", None),
-                        help="bearer token required on every route but /health; None: open")
+                        help="bearer token required on every route but /health and /ping; "
+                             "None: open")
     parser.add_argument("--served-model-name",
                         default=d("served_model_name", None),
                         help="the model's name in /v1/models and requests; None: --model")
-    parser.add_argument("--max-body-bytes", type=int,
-                        default=d("max_body_bytes", s.max_body_bytes),
-                        help="larger request bodies get HTTP 413")
     parser.add_argument("--allowed-hosts", type=_split, default=d("allowed_hosts", ""),
                         help="comma-separated Host names accepted besides loopback names and "
                              "the bound address, '*' for any; others get 421")
     parser.add_argument("--allowed-origins", type=_split, default=d("allowed_origins", ""),
                         help="comma-separated origins (scheme://host[:port]) whose pages may "
                              "call the API through CORS, '*' for any; none: CORS off")
-    parser.add_argument("--header-timeout", type=float, default=d("header_timeout",
-                                                                  s.header_timeout),
-                        help="seconds a connection may take to send a request's headers")
-    parser.add_argument("--body-timeout", type=float, default=d("body_timeout", s.body_timeout),
-                        help="seconds a request body may take once its headers are in; then 408")
-    parser.add_argument("--keepalive-timeout", type=float,
-                        default=d("keepalive_timeout", s.keepalive_timeout),
-                        help="seconds an idle keep-alive connection stays open")
-    parser.add_argument("--max-connections", type=int,
-                        default=d("max_connections", s.max_connections),
-                        help="open connections served at once; a connection past it gets 503 "
-                             "and is closed")
-    parser.add_argument("--max-request-prompts", type=int,
-                        default=d("max_request_prompts", s.max_request_prompts),
-                        help="prompts one request may carry; more get 400")
-    parser.add_argument("--max-request-tokens", type=int,
-                        default=d("max_request_tokens", s.max_request_tokens),
-                        help="prompt tokens plus max_tokens, summed over one request's "
-                             "prompts; more get 400")
+    for name, text in SERVER_LIMITS:
+        default = getattr(s, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default),
+                            default=d(name, default), help=text)
     parser.add_argument("--health-details", action="store_true",
                         default=str(d("health_details", "")).lower() in ("1", "true", "yes"),
                         help="/health names the actors and their last errors to any caller "
@@ -415,14 +411,8 @@ def server_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
     """The ServerConfig the parsed CLI arguments describe."""
     return ServerConfig(host=args.host, port=int(args.port), api_key=args.api_key or None,
                         served_model_name=args.served_model_name,
-                        max_body_bytes=int(args.max_body_bytes),
                         allowed_hosts=tuple(args.allowed_hosts),
                         allowed_origins=tuple(args.allowed_origins),
-                        header_timeout=float(args.header_timeout),
-                        body_timeout=float(args.body_timeout),
-                        keepalive_timeout=float(args.keepalive_timeout),
-                        max_connections=int(args.max_connections),
-                        max_request_prompts=int(args.max_request_prompts),
-                        max_request_tokens=int(args.max_request_tokens),
+                        **{name: getattr(args, name) for name, _ in SERVER_LIMITS},
                         health_details=bool(args.health_details),
                         chat_template=args.chat_template or None)
