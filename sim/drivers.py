@@ -157,7 +157,7 @@ class PrefillInstance(Instance):
 
     def __init__(self, ctx: SimContext, index: int) -> None:
         super().__init__(ctx, PrefillCore(index, ctx.kv, ctx.life, ctx.wiring,
-                                          ctx.config.max_prefill_tokens),
+                                          ctx.config.scheduler.max_prefill_tokens),
                          ctx.config.prefill_devices[index])
 
     def act(self) -> None:
@@ -189,8 +189,8 @@ class Batcher(Instance):
     def __init__(self, ctx: SimContext) -> None:
         cfg = ctx.config
         super().__init__(ctx, BatcherCore(ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                                          cfg.num_decode_blocks, cfg.batch_kv_fraction,
-                                          cfg.max_batch_size))
+                                          cfg.num_decode_blocks, cfg.scheduler.batch_kv_fraction,
+                                          cfg.scheduler.max_batch_size))
 
     def act(self) -> None:
         while (order := self.ctx.decide(self.core.next_order, self.loop.now)) is not None:
@@ -210,7 +210,7 @@ class DecodeInstance(Instance):
 
     def __init__(self, ctx: SimContext, index: int) -> None:
         super().__init__(ctx, DecodeCore(index, ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                                         ctx.config.max_batch_size),
+                                         ctx.config.scheduler.max_batch_size),
                          ctx.config.decode_devices[index])
         self._missed_wake = False
 
@@ -271,7 +271,7 @@ class ColocatedInstance(Instance):
     def __init__(self, ctx: SimContext, index: int) -> None:
         cfg = ctx.config
         super().__init__(ctx, ColocatedCore(index, ctx.kv, ctx.life, ContinuousScheduler(
-            cfg.max_prefill_tokens, cfg.max_batch_size, cfg.block_size)),
+            cfg.scheduler.max_prefill_tokens, cfg.scheduler.max_batch_size, cfg.block_size)),
                          cfg.colocated_devices[index])
 
     def act(self) -> None:
