@@ -4,6 +4,7 @@ opt-125m decode step beside its roofline floor measured in the same run. Prints 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -40,8 +41,9 @@ class Timing:
         return f"{self.median_ms:9.2f} [{self.min_ms:.2f}-{self.max_ms:.2f}]"
 
 
-def measure(fn: Callable[[], object], repeats: int = REPEATS) -> Timing:
-    fn()
+def measure(fn: Callable[[], object], repeats: int = REPEATS, warm_up: bool = True) -> Timing:
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -86,18 +88,23 @@ def test_decode_attention_uniform_vs_skewed() -> None:
                       f"{timing!s:>24} {timing.median_ms / base:9.2f}x")
 
 
-def matmul_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of a big square matmul in `dtype`."""
-    n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / (measure(lambda: a @ b).median_ms / 1e3)
+class Floor:
+    """Samples this machine's roofline: the FLOP/s of a big square matmul in `dtype` and the
+    bytes/s read + written by a 256 MB tensor copy, one timed run of each per `sample`, so
+    that every timed step gets a floor measured right beside it (the machine is shared)."""
 
+    def __init__(self, dtype: torch.dtype, n: int = 2048) -> None:
+        self.a, self.b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        self.src = torch.ones(64 << 20, dtype=torch.float32)
+        self.dst = torch.empty_like(self.src)
+        self.sample()  # warm-up
 
-def copy_bandwidth() -> float:
-    """Bytes/s read + written by a 256 MB tensor copy."""
-    src = torch.ones(64 << 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (measure(lambda: dst.copy_(src)).median_ms / 1e3)
+    def sample(self) -> tuple[float, float]:
+        """(matmul FLOP/s, copy bytes/s) of one timed run each."""
+        n = self.a.shape[0]
+        rate = 2 * n ** 3 / (measure(lambda: self.a @ self.b, 1, warm_up=False).median_ms / 1e3)
+        copy_ms = measure(lambda: self.dst.copy_(self.src), 1, warm_up=False).median_ms
+        return rate, 2 * self.src.numel() * 4 / (copy_ms / 1e3)
 
 
 def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -112,19 +119,25 @@ def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[fl
     return float(flops), float(weight_bytes + kv_elems * dtype.itemsize)
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
 def test_opt125m_decode_step_vs_roofline() -> None:
-    bandwidth = copy_bandwidth()
+    """Each of REPEATS rounds times one floor sample (matmul, copy) and one step, in turn,
+    and divides the two: the ratio's median and range over the rounds is the result."""
     print(f"\nopt-125m decode step (metadata + forward + logits), context {CONTEXT}, paged; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write)")
-    print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'GFLOP/s':>9} {'floor ms':>9} "
-          f"{'(flop/byte)':>14} {'x floor':>8}")
+          f"{REPEATS} rounds of (floor sample, step), median [min-max]; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'floor ms':>24} {'GFLOP/s mm':>11} "
+          f"{'GB/s copy':>10} {'x floor':>20}")
     for dtype_name, dtype in DTYPES.items():
         model, cfg = build_preset("opt-125m", dtype, "cpu")
         fit_matmuls_to(model, torch.device("cpu"))  # as the engine's runner does
         # NOTE: the floor takes the fastest GEMM this CPU has for these inputs: without a
         # bf16 GEMM that is float32 on the exactly upcast values (what the engine runs).
         rate_dtype = dtype if has_half_matmul(dtype) else torch.float32
-        rate = matmul_rate(rate_dtype)
+        floor = Floor(rate_dtype)
         for batch in (1, 16, 64):
             kv_cache, tables = paged_inputs([CONTEXT + 1] * batch, cfg.num_layers,
                                             cfg.num_heads, cfg.head_dim, dtype)
@@ -137,12 +150,18 @@ def test_opt125m_decode_step_vs_roofline() -> None:
                                                BLOCK_SIZE, "cpu")
                 return model.compute_logits(model(ids, positions, kv_cache, meta, backend))
 
-            with torch.inference_mode():
-                timing = measure(step)
             flops, num_bytes = step_cost(model, batch, dtype)
-            flop_ms, byte_ms = flops / rate * 1e3, num_bytes / bandwidth * 1e3
-            floor = max(flop_ms, byte_ms)
-            print(f"{dtype_name:9} {batch:5} {timing!s:>24} {flops / timing.median_ms / 1e6:9.1f} "
-                  f"{floor:9.2f} {f'({flop_ms:.1f}/{byte_ms:.1f})':>14} "
-                  f"{timing.median_ms / floor:7.2f}x")
-        print(f"{dtype_name}: matmul rate {rate / 1e9:.1f} GFLOP/s (2048^3, {rate_dtype})")
+            step_ms, floor_ms, rates, bandwidths = [], [], [], []
+            with torch.inference_mode():
+                step()  # warm-up (packs the weights)
+                for _ in range(REPEATS):
+                    rate, bandwidth = floor.sample()
+                    step_ms.append(measure(step, 1, warm_up=False).median_ms)
+                    floor_ms.append(max(flops / rate, num_bytes / bandwidth) * 1e3)
+                    rates.append(rate / 1e9)
+                    bandwidths.append(bandwidth / 1e9)
+            ratios = [s / f for s, f in zip(step_ms, floor_ms)]
+            print(f"{dtype_name:9} {batch:5} {spread(step_ms):>24} {spread(floor_ms):>24} "
+                  f"{statistics.median(rates):11.1f} {statistics.median(bandwidths):10.1f} "
+                  f"{spread(ratios):>19}x", flush=True)
+        print(f"{dtype_name}: floor matmul {rate_dtype} {floor.a.shape[0]}^3")
