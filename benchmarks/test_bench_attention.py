@@ -23,6 +23,7 @@ BLOCK_SIZE = 16  # tokens per KV block
 NUM_HEADS, HEAD_DIM = 12, 64  # opt-125m head geometry
 CONTEXT = 128  # cached tokens per sequence before the timed decode step
 REPEATS = 7
+ROUNDS = 9  # (floor sample, step) pairs per row of the roofline table
 BATCHES = {  # name -> KV lengths; the first two hold 40448 KV tokens each
     "uniform 64x632": [632] * 64,
     "skewed 60x400+4x4112 (same total)": [400] * 60 + [4112] * 4,
@@ -88,10 +89,19 @@ def test_decode_attention_uniform_vs_skewed() -> None:
                       f"{timing!s:>24} {timing.median_ms / base:9.2f}x")
 
 
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of every thread of this process) of one call of `fn`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 class Floor:
     """Samples this machine's roofline: the FLOP/s of a big square matmul in `dtype` and the
     bytes/s read + written by a 256 MB tensor copy, one timed run of each per `sample`, so
-    that every timed step gets a floor measured right beside it (the machine is shared)."""
+    that every timed step gets a floor measured right beside it (the machine is shared).
+    Each rate comes per wall second and per CPU second (all threads): on a loaded machine
+    the wall rates count time spent waiting for a core, the CPU rates do not."""
 
     def __init__(self, dtype: torch.dtype, n: int = 2048) -> None:
         self.a, self.b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -99,12 +109,12 @@ class Floor:
         self.dst = torch.empty_like(self.src)
         self.sample()  # warm-up
 
-    def sample(self) -> tuple[float, float]:
-        """(matmul FLOP/s, copy bytes/s) of one timed run each."""
-        n = self.a.shape[0]
-        rate = 2 * n ** 3 / (measure(lambda: self.a @ self.b, 1, warm_up=False).median_ms / 1e3)
-        copy_ms = measure(lambda: self.dst.copy_(self.src), 1, warm_up=False).median_ms
-        return rate, 2 * self.src.numel() * 4 / (copy_ms / 1e3)
+    def sample(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((matmul FLOP/s, copy bytes/s) per wall second, the same per CPU second)."""
+        flops, num_bytes = 2 * self.a.shape[0] ** 3, 2 * self.src.numel() * 4
+        mm_wall, mm_cpu = timed(lambda: self.a @ self.b)
+        copy_wall, copy_cpu = timed(lambda: self.dst.copy_(self.src))
+        return (flops / mm_wall, num_bytes / copy_wall), (flops / mm_cpu, num_bytes / copy_cpu)
 
 
 def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -124,13 +134,14 @@ def spread(values: list[float]) -> str:
 
 
 def test_opt125m_decode_step_vs_roofline() -> None:
-    """Each of REPEATS rounds times one floor sample (matmul, copy) and one step, in turn,
-    and divides the two: the ratio's median and range over the rounds is the result."""
+    """Each of ROUNDS rounds times one floor sample (matmul, copy) and one step, in turn,
+    and divides the two: the ratio's median and range over the rounds is the result, in
+    wall time and in CPU time (all threads; robust to waiting for a core)."""
     print(f"\nopt-125m decode step (metadata + forward + logits), context {CONTEXT}, paged; "
-          f"{REPEATS} rounds of (floor sample, step), median [min-max]; load average "
+          f"{ROUNDS} rounds of (floor sample, step), median [min-max]; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'floor ms':>24} {'GFLOP/s mm':>11} "
-          f"{'GB/s copy':>10} {'x floor':>20}")
+          f"{'GB/s copy':>10} {'x floor (wall)':>20} {'x floor (CPU)':>20}")
     for dtype_name, dtype in DTYPES.items():
         model, cfg = build_preset("opt-125m", dtype, "cpu")
         fit_matmuls_to(model, torch.device("cpu"))  # as the engine's runner does
@@ -151,17 +162,19 @@ def test_opt125m_decode_step_vs_roofline() -> None:
                 return model.compute_logits(model(ids, positions, kv_cache, meta, backend))
 
             flops, num_bytes = step_cost(model, batch, dtype)
-            step_ms, floor_ms, rates, bandwidths = [], [], [], []
+            step_ms, floor_ms, rates, bandwidths, cpu_ratios = [], [], [], [], []
             with torch.inference_mode():
                 step()  # warm-up (packs the weights)
-                for _ in range(REPEATS):
-                    rate, bandwidth = floor.sample()
-                    step_ms.append(measure(step, 1, warm_up=False).median_ms)
+                for _ in range(ROUNDS):
+                    (rate, bandwidth), (cpu_rate, cpu_bandwidth) = floor.sample()
+                    wall, cpu = timed(step)
+                    step_ms.append(wall * 1e3)
                     floor_ms.append(max(flops / rate, num_bytes / bandwidth) * 1e3)
+                    cpu_ratios.append(cpu / max(flops / cpu_rate, num_bytes / cpu_bandwidth))
                     rates.append(rate / 1e9)
                     bandwidths.append(bandwidth / 1e9)
             ratios = [s / f for s, f in zip(step_ms, floor_ms)]
             print(f"{dtype_name:9} {batch:5} {spread(step_ms):>24} {spread(floor_ms):>24} "
                   f"{statistics.median(rates):11.1f} {statistics.median(bandwidths):10.1f} "
-                  f"{spread(ratios):>19}x", flush=True)
+                  f"{spread(ratios):>19}x {spread(cpu_ratios):>19}x", flush=True)
         print(f"{dtype_name}: floor matmul {rate_dtype} {floor.a.shape[0]}^3")
