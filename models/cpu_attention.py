@@ -4,14 +4,15 @@ torch has no paged attention on the CPU: the plain-torch `paged` path computes i
 as sampled dot products (one small gathered dot per (sequence, head, position)), which at
 short contexts runs several times slower than reading the KV once (benchmarks/RESULTS.md,
 issue 17), and in bf16 without AVX-512 BF16 each product converts element by element. This
-kernel reads each sequence's K and V rows once through its block table, accumulates in
-float32 (bf16 values are widened exactly) and rounds the output once; one (sequence, head)
-pair at a time per thread, with a shared counter handing out pairs.
+kernel reads each sequence's K and V rows once through its block table, token by token,
+accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Work
+items are whole sequences (single heads when the batch is small), handed out to
+`torch.get_num_threads()` threads by a shared counter.
 
 Optional, as the plain-torch path stays the reference: `decode` returns None when the
 kernel cannot run (no C compiler, another dtype or device, a head_dim not a multiple of
 8), and the caller falls back. The shared library is cached under $ASERVE_CACHE_DIR (default
-~/.cache/aserve), named by a hash of the source and flags; ASERVE_CPU_KERNELS=0 disables it.
+~/.cache/aserve), named by a hash of the source, flags and CPU; ASERVE_CPU_KERNELS=0 disables it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,7 +33,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 LANES = 8  # floats per AVX2 register: head_dim must be a multiple (opt: 64; opt-tiny: 16)
 
 _SOURCE = r"""
@@ -183,6 +185,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ASERVE_CACHE_DIR") or Path.home() / ".cache" / "aserve")
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), or "" where /proc/cpuinfo is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))),
+                "")
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
@@ -192,7 +204,10 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler: paged attention uses its plain-torch path")
         return None
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + compiler).encode()).hexdigest()[:16]
+    # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
+    # the key names this CPU's instruction sets.
+    key = "\n".join((_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), _cpu_flags()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = _cache_dir() / f"paged_decode_{digest}.so"
     try:
         if not path.exists():
