@@ -146,7 +146,8 @@ typedef struct { Job *job; int is_bf16; } Worker;
 
 static void *work(void *arg) {
     Worker *w = arg;
-    float *scores = malloc(sizeof(float) * w->job->group * (w->job->max_len > 0 ? w->job->max_len : 1));
+    int64_t len = w->job->max_len > 0 ? w->job->max_len : 1;
+    float *scores = malloc(sizeof(float) * w->job->group * len);
     if (scores == NULL) return (void *)1;
     if (w->is_bf16) decode_bf16(w->job, scores); else decode_f32(w->job, scores);
     free(scores);
