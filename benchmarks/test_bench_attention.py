@@ -4,6 +4,7 @@ opt-125m decode step beside its roofline floor measured in the same run. Prints 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ BLOCK_SIZE = 16  # tokens per KV block
 NUM_HEADS, HEAD_DIM = 12, 64  # opt-125m head geometry
 CONTEXT = 128  # cached tokens per sequence before the timed decode step
 REPEATS = 7
+ROUNDS = 9  # (floor sample, step) pairs per row of the roofline table
 BATCHES = {  # name -> KV lengths; the first two hold 40448 KV tokens each
     "uniform 64x632": [632] * 64,
     "skewed 60x400+4x4112 (same total)": [400] * 60 + [4112] * 4,
@@ -40,8 +42,9 @@ class Timing:
         return f"{self.median_ms:9.2f} [{self.min_ms:.2f}-{self.max_ms:.2f}]"
 
 
-def measure(fn: Callable[[], object], repeats: int = REPEATS) -> Timing:
-    fn()
+def measure(fn: Callable[[], object], repeats: int = REPEATS, warm_up: bool = True) -> Timing:
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -86,18 +89,32 @@ def test_decode_attention_uniform_vs_skewed() -> None:
                       f"{timing!s:>24} {timing.median_ms / base:9.2f}x")
 
 
-def matmul_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of a big square matmul in `dtype`."""
-    n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / (measure(lambda: a @ b).median_ms / 1e3)
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of every thread of this process) of one call of `fn`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s read + written by a 256 MB tensor copy."""
-    src = torch.ones(64 << 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (measure(lambda: dst.copy_(src)).median_ms / 1e3)
+class Floor:
+    """Samples this machine's roofline: the FLOP/s of a big square matmul in `dtype` and the
+    bytes/s read + written by a 256 MB tensor copy, one timed run of each per `sample`, so
+    that every timed step gets a floor measured right beside it (the machine is shared).
+    Each rate comes per wall second and per CPU second (all threads): on a loaded machine
+    the wall rates count time spent waiting for a core, the CPU rates do not."""
+
+    def __init__(self, dtype: torch.dtype, n: int = 2048) -> None:
+        self.a, self.b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        self.src = torch.ones(64 << 20, dtype=torch.float32)
+        self.dst = torch.empty_like(self.src)
+        self.sample()  # warm-up
+
+    def sample(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((matmul FLOP/s, copy bytes/s) per wall second, the same per CPU second)."""
+        flops, num_bytes = 2 * self.a.shape[0] ** 3, 2 * self.src.numel() * 4
+        mm_wall, mm_cpu = timed(lambda: self.a @ self.b)
+        copy_wall, copy_cpu = timed(lambda: self.dst.copy_(self.src))
+        return (flops / mm_wall, num_bytes / copy_wall), (flops / mm_cpu, num_bytes / copy_cpu)
 
 
 def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -112,19 +129,26 @@ def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[fl
     return float(flops), float(weight_bytes + kv_elems * dtype.itemsize)
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
 def test_opt125m_decode_step_vs_roofline() -> None:
-    bandwidth = copy_bandwidth()
+    """Each of ROUNDS rounds times one floor sample (matmul, copy) and one step, in turn,
+    and divides the two: the ratio's median and range over the rounds is the result, in
+    wall time and in CPU time (all threads; robust to waiting for a core)."""
     print(f"\nopt-125m decode step (metadata + forward + logits), context {CONTEXT}, paged; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write)")
-    print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'GFLOP/s':>9} {'floor ms':>9} "
-          f"{'(flop/byte)':>14} {'x floor':>8}")
+          f"{ROUNDS} rounds of (floor sample, step), median [min-max]; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'floor ms':>24} {'GFLOP/s mm':>11} "
+          f"{'GB/s copy':>10} {'x floor (wall)':>20} {'x floor (CPU)':>20}")
     for dtype_name, dtype in DTYPES.items():
         model, cfg = build_preset("opt-125m", dtype, "cpu")
         fit_matmuls_to(model, torch.device("cpu"))  # as the engine's runner does
         # NOTE: the floor takes the fastest GEMM this CPU has for these inputs: without a
         # bf16 GEMM that is float32 on the exactly upcast values (what the engine runs).
         rate_dtype = dtype if has_half_matmul(dtype) else torch.float32
-        rate = matmul_rate(rate_dtype)
+        floor = Floor(rate_dtype)
         for batch in (1, 16, 64):
             kv_cache, tables = paged_inputs([CONTEXT + 1] * batch, cfg.num_layers,
                                             cfg.num_heads, cfg.head_dim, dtype)
@@ -137,12 +161,20 @@ def test_opt125m_decode_step_vs_roofline() -> None:
                                                BLOCK_SIZE, "cpu")
                 return model.compute_logits(model(ids, positions, kv_cache, meta, backend))
 
-            with torch.inference_mode():
-                timing = measure(step)
             flops, num_bytes = step_cost(model, batch, dtype)
-            flop_ms, byte_ms = flops / rate * 1e3, num_bytes / bandwidth * 1e3
-            floor = max(flop_ms, byte_ms)
-            print(f"{dtype_name:9} {batch:5} {timing!s:>24} {flops / timing.median_ms / 1e6:9.1f} "
-                  f"{floor:9.2f} {f'({flop_ms:.1f}/{byte_ms:.1f})':>14} "
-                  f"{timing.median_ms / floor:7.2f}x")
-        print(f"{dtype_name}: matmul rate {rate / 1e9:.1f} GFLOP/s (2048^3, {rate_dtype})")
+            step_ms, floor_ms, rates, bandwidths, cpu_ratios = [], [], [], [], []
+            with torch.inference_mode():
+                step()  # warm-up (packs the weights)
+                for _ in range(ROUNDS):
+                    (rate, bandwidth), (cpu_rate, cpu_bandwidth) = floor.sample()
+                    wall, cpu = timed(step)
+                    step_ms.append(wall * 1e3)
+                    floor_ms.append(max(flops / rate, num_bytes / bandwidth) * 1e3)
+                    cpu_ratios.append(cpu / max(flops / cpu_rate, num_bytes / cpu_bandwidth))
+                    rates.append(rate / 1e9)
+                    bandwidths.append(bandwidth / 1e9)
+            ratios = [s / f for s, f in zip(step_ms, floor_ms)]
+            print(f"{dtype_name:9} {batch:5} {spread(step_ms):>24} {spread(floor_ms):>24} "
+                  f"{statistics.median(rates):11.1f} {statistics.median(bandwidths):10.1f} "
+                  f"{spread(ratios):>19}x {spread(cpu_ratios):>19}x", flush=True)
+        print(f"{dtype_name}: floor matmul {rate_dtype} {floor.a.shape[0]}^3")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models import cpu_attention
 from models.backends import TORCH_BACKENDS, build_backend
 
 BACKEND_NAMES = TORCH_BACKENDS  # the backends of this module (registered in models.backends)
@@ -187,18 +188,31 @@ class AttentionBackend(ABC):
 
 
 class PagedBackend(AttentionBackend):
-    """Decode without padding: one sampled pass over exactly the KV each sequence has."""
+    """Decode without padding: one pass over exactly the KV each sequence has.
+
+    On the CPU in float32/bf16 that pass is the fused C kernel of `models.cpu_attention`
+    when it builds; otherwise (float64, other devices, no compiler) the plain-torch
+    reference below: sampled dot products, a segment softmax and a weighted embedding bag.
+    """
 
     name = "paged"
 
     def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
                 scale: float) -> Tensor:
+        out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
+                                   index.max_seq_len, scale)
+        return self._decode_reference(q, kv_cache, layer, index, scale) if out is None else out
+
+    def _decode_reference(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                          scale: float) -> Tensor:
+        """The plain-torch decode (float64 and the fallback of the fused kernel)."""
         num_seqs, num_heads, head_dim = q.shape
         k_rows, v_rows = _layer_rows(kv_cache, layer)  # [num_rows, head_dim] each
+        entries = index.entries(kv_cache)
         q_rows = (q * scale).reshape(num_seqs * num_heads, head_dim)  # [segs, head_dim]
-        scores = _sample_scores(q_rows, k_rows, index)  # [nnz]
-        p = _segment_softmax(scores, index).to(v_rows.dtype)  # [nnz]
-        out = F.embedding_bag(index.cols, v_rows, index.crow[:-1], mode="sum",
+        scores = _sample_scores(q_rows, k_rows, entries)  # [nnz]
+        p = _segment_softmax(scores, entries).to(v_rows.dtype)  # [nnz]
+        out = F.embedding_bag(entries.cols, v_rows, entries.crow[:-1], mode="sum",
                               per_sample_weights=p)  # [segs, head_dim]
         return out.view(num_seqs, num_heads, head_dim)
 
@@ -233,6 +247,38 @@ def get_backend(name: str) -> AttentionBackend:
 
 @dataclass(frozen=True, slots=True)
 class DecodeIndex:
+    """The sequences of a decode batch, their KV lengths and block tables, for all layers;
+    `entries` adds, built once on first use, where each of their KV rows lives."""
+
+    seq_ids: Tensor  # [num_seqs] long: which sequences of the metadata
+    seq_lens: Tensor  # [num_seqs] long
+    block_tables: Tensor  # [num_seqs, max_blocks_per_seq] long
+    max_seq_len: int
+    total_len: int  # sum of seq_lens
+    # NOTE: per-forward scratch (the CSR entries); not part of equality.
+    workspace: dict[str, CsrEntries] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None
+              ) -> DecodeIndex:
+        device = kv_cache.device
+        lens = meta.seq_lens_list if seq_ids is None else [meta.seq_lens_list[i] for i in seq_ids]
+        ids = torch.arange(meta.num_seqs, device=device) if seq_ids is None else torch.tensor(
+            seq_ids, dtype=torch.long, device=device)  # [num_seqs]
+        tables = meta.block_tables if seq_ids is None else meta.block_tables[ids]
+        seq_lens = meta.seq_lens if seq_ids is None else meta.seq_lens[ids]  # [num_seqs]
+        return cls(ids, seq_lens, tables, max(lens), sum(lens))
+
+    def entries(self, kv_cache: Tensor) -> CsrEntries:
+        """The CSR entries of this batch in `kv_cache`'s geometry (built once)."""
+        csr = self.workspace.get("csr")
+        if csr is None:
+            csr = self.workspace["csr"] = CsrEntries.build(self, kv_cache)
+        return csr
+
+
+@dataclass(frozen=True, slots=True)
+class CsrEntries:
     """Where every (sequence, head, kv position) of a decode batch lives, for all layers.
 
     Entries are ordered by segment (sequence, head), then position: `crow` points at each
@@ -240,34 +286,24 @@ class DecodeIndex:
     `_layer_rows` (a layer only moves the base of that view).
     """
 
-    seq_ids: Tensor  # [num_seqs] long: which sequences of the metadata
-    seq_lens: Tensor  # [num_seqs] long
-    block_tables: Tensor  # [num_seqs, max_blocks_per_seq] long
-    max_seq_len: int
     cols: Tensor  # [nnz] long, nnz = sum(seq_lens) * num_heads
     crow: Tensor  # [num_seqs * num_heads + 1] long
     seg: Tensor  # [nnz] long, segment of each entry
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None
-              ) -> DecodeIndex:
+    def build(cls, index: DecodeIndex, kv_cache: Tensor) -> CsrEntries:
         _, num_layers, _, block_size, num_heads, _ = kv_cache.shape
         device = kv_cache.device
-        lens = meta.seq_lens_list if seq_ids is None else [meta.seq_lens_list[i] for i in seq_ids]
-        ids = torch.arange(meta.num_seqs, device=device) if seq_ids is None else torch.tensor(
-            seq_ids, dtype=torch.long, device=device)  # [num_seqs]
-        tables = meta.block_tables if seq_ids is None else meta.block_tables[ids]
-        seq_lens = meta.seq_lens if seq_ids is None else meta.seq_lens[ids]  # [num_seqs]
-        seg_lens = seq_lens.repeat_interleave(num_heads)  # [segs]
+        seg_lens = index.seq_lens.repeat_interleave(num_heads)  # [segs]
         crow = F.pad(seg_lens.cumsum(0), (1, 0))  # [segs + 1]
-        nnz = sum(lens) * num_heads
+        nnz = index.total_len * num_heads
         seg = torch.repeat_interleave(
             torch.arange(seg_lens.shape[0], device=device), seg_lens, output_size=nnz)  # [nnz]
         pos = torch.arange(nnz, device=device) - crow[seg]  # [nnz] kv position in its seq
         seq, head = seg.div(num_heads, rounding_mode="floor"), seg.remainder(num_heads)
-        block_ids = tables[seq, pos.div(block_size, rounding_mode="floor")]  # [nnz]
+        block_ids = index.block_tables[seq, pos.div(block_size, rounding_mode="floor")]  # [nnz]
         cols = (block_ids * (num_layers * 2 * block_size) + pos.remainder(block_size)) * num_heads
-        return cls(ids, seq_lens, tables, max(lens), cols.add_(head), crow, seg)
+        return cls(cols.add_(head), crow, seg)
 
 
 def _index(meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None) -> DecodeIndex:
@@ -294,7 +330,7 @@ def _layer_rows(kv_cache: Tensor, layer: int) -> tuple[Tensor, Tensor]:
     return k_rows, v_rows
 
 
-def _sample_scores(q_rows: Tensor, k_rows: Tensor, index: DecodeIndex) -> Tensor:
+def _sample_scores(q_rows: Tensor, k_rows: Tensor, index: CsrEntries) -> Tensor:
     """`[nnz]` dot products of each entry's K row with its segment's query row, no gather."""
     if k_rows.dtype in (torch.float32, torch.float64):
         pattern = torch.sparse_csr_tensor(
@@ -308,7 +344,7 @@ def _sample_scores(q_rows: Tensor, k_rows: Tensor, index: DecodeIndex) -> Tensor
         q_rows, k_rows, index.cols, index.crow[:-1], index.seg, 0)
 
 
-def _segment_softmax(scores: Tensor, index: DecodeIndex) -> Tensor:
+def _segment_softmax(scores: Tensor, index: CsrEntries) -> Tensor:
     """Softmax of `[nnz]` scores within each (sequence, head) segment, in >= float32."""
     s = scores.to(torch.promote_types(scores.dtype, torch.float32))  # [nnz]
     peak = torch.segment_reduce(s, "max", offsets=index.crow)  # [segs]

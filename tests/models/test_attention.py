@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from models import cpu_attention
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend, write_kv
 from tests.models.conftest import dense_reference, make_block_tables, make_kv_cache, rel_err
 
@@ -109,3 +110,27 @@ def test_paged_decode_rejects_non_contiguous_cache() -> None:
     strided = kv_cache.transpose(4, 5).contiguous().transpose(4, 5)
     with pytest.raises(ValueError, match="kv_cache must be contiguous"):
         get_backend("paged").forward(q, strided, 0, meta, SCALE)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # one head per work item; whole sequences
+def test_cpu_kernel_matches_reference(dtype: torch.dtype, tolerance: float,
+                                      num_seqs: int) -> None:
+    lens = [random.Random(num_seqs).randint(1, 700) for _ in range(num_seqs)] + [1, 16, 17]
+    q, kv_cache, meta = decode_batch(lens, dtype, 16, seed=num_seqs)
+    if not cpu_attention.is_supported(kv_cache):
+        pytest.skip("no C compiler for the CPU kernel")
+    kernel = cpu_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
+                                  SCALE)
+    assert kernel is not None and kernel.dtype == dtype
+    assert rel_err(kernel, dense_reference(q, kv_cache, 1, meta, SCALE)) < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_reference_path_without_the_kernel(dtype: torch.dtype,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_attention, "is_supported", lambda kv_cache: False)
+    q, kv_cache, meta = decode_batch([5, 300, 64, 1, 999], dtype, 16)
+    out = get_backend("paged").forward(q, kv_cache, 0, meta, SCALE)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out, dense_reference(q, kv_cache, 0, meta, SCALE)) < tolerance

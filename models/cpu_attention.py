@@ -1,0 +1,261 @@
+"""A fused paged decode-attention kernel for the CPU, in C, compiled once on first use.
+
+torch has no paged attention on the CPU: the plain-torch `paged` path computes its scores
+as sampled dot products (one small gathered dot per (sequence, head, position)), which at
+short contexts runs several times slower than reading the KV once (benchmarks/RESULTS.md,
+issue 17), and in bf16 without AVX-512 BF16 each product converts element by element. This
+kernel reads each sequence's K and V rows once through its block table, token by token,
+accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Work
+items are whole sequences (single heads when the batch is small), handed out to
+`torch.get_num_threads()` threads by a shared counter.
+
+Optional, as the plain-torch path stays the reference: `decode` returns None when the
+kernel cannot run (no C compiler, another dtype or device, a head_dim not a multiple of
+8), and the caller falls back. The shared library is cached under $ASERVE_CACHE_DIR (default
+~/.cache/aserve), named by a hash of the source, flags and CPU; ASERVE_CPU_KERNELS=0 disables it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+LANES = 8  # floats per AVX2 register: head_dim must be a multiple (opt: 64; opt-tiny: 16)
+
+_SOURCE = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+
+typedef struct {
+    const void *q;             /* [num_seqs, heads, dim], contiguous */
+    const void *k;             /* layer's K of block 0; V sits v_offset elements further */
+    int64_t v_offset, block_stride;   /* elements */
+    const int64_t *tables;     /* [num_seqs, width] */
+    const int64_t *lens;       /* [num_seqs] */
+    int64_t width, num_seqs, heads, dim, block_size;
+    float scale;
+    void *out;                 /* [num_seqs, heads, dim] */
+    int64_t max_len, group;    /* group: heads per work item (divides heads) */
+    int64_t next;              /* next (seq, head) pair, shared by the workers */
+} Job;
+
+/* GCC/Clang vector extensions: 8 float lanes (one AVX2 register under -march=native). */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 load_f32(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline f32x8 load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
+    u16x8 h; memcpy(&h, p, sizeof h);
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    f32x8 v; memcpy(&v, &w, sizeof v); return v;
+}
+
+static inline void store_f32(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
+
+static inline void store_bf16(uint16_t *p, f32x8 v) {  /* round to nearest even, as torch */
+    for (int j = 0; j < LANES; j++) {
+        union { uint32_t u; float f; } c; c.f = v[j];
+        p[j] = isnan(v[j]) ? 0x7fc0 : (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+    }
+}
+
+static inline float sum8(f32x8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* One work item = one sequence and a group of `group` adjacent heads, read token by token
+   (each token's K/V of the group is one contiguous run): scores, softmax, then the weighted
+   sum of V; float32 throughout. `scores` holds group * max_len floats. */
+#define KERNEL(NAME, T, LOAD, STORE)                                                     \
+static void NAME(Job *job, float *scores) {                                             \
+    const T *q = job->q, *kbase = job->k;                                               \
+    const int64_t heads = job->heads, dim = job->dim, vecs = dim / LANES;               \
+    const int64_t bs = job->block_size, row = heads * dim, g = job->group;              \
+    const int64_t groups = heads / g, stride = job->max_len;                            \
+    f32x8 qv[g * vecs], acc[g * vecs];                                                  \
+    float peak[g], total[g];                                                            \
+    for (;;) {                                                                          \
+        int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);            \
+        if (item >= job->num_seqs * groups) return;                                     \
+        int64_t seq = item / groups, h0 = item % groups * g, len = job->lens[seq];      \
+        const int64_t *table = job->tables + seq * job->width;                          \
+        const T *qs = q + (seq * heads + h0) * dim;                                     \
+        for (int64_t i = 0; i < g * vecs; i++) qv[i] = LOAD(qs + i * LANES) * job->scale; \
+        for (int64_t h = 0; h < g; h++) peak[h] = -INFINITY, total[h] = 0;              \
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
+            const T *k = kbase + table[p0 / bs] * job->block_stride + h0 * dim;         \
+            int64_t n = len - p0 < bs ? len - p0 : bs;                                  \
+            for (int64_t t = 0; t < n; t++, k += row)                                   \
+                for (int64_t h = 0; h < g; h++) {                                       \
+                    const T *kh = k + h * dim;                                          \
+                    const f32x8 *qh = qv + h * vecs;                                    \
+                    f32x8 dot = LOAD(kh) * qh[0];                                       \
+                    for (int64_t i = 1; i < vecs; i++) dot += LOAD(kh + i * LANES) * qh[i]; \
+                    float s = sum8(dot);                                                \
+                    scores[h * stride + p0 + t] = s;                                    \
+                    if (s > peak[h]) peak[h] = s;                                       \
+                }                                                                       \
+        }                                                                               \
+        for (int64_t h = 0; h < g; h++)                                                 \
+            for (int64_t p = 0; p < len; p++)                                           \
+                total[h] += scores[h * stride + p] = expf(scores[h * stride + p] - peak[h]); \
+        for (int64_t i = 0; i < g * vecs; i++) acc[i] = (f32x8){0};                     \
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
+            const T *v = kbase + job->v_offset + table[p0 / bs] * job->block_stride     \
+                         + h0 * dim;                                                    \
+            int64_t n = len - p0 < bs ? len - p0 : bs;                                  \
+            for (int64_t t = 0; t < n; t++, v += row)                                   \
+                for (int64_t h = 0; h < g; h++) {                                       \
+                    const float w = scores[h * stride + p0 + t];                        \
+                    for (int64_t i = 0; i < vecs; i++)                                  \
+                        acc[h * vecs + i] += LOAD(v + h * dim + i * LANES) * w;         \
+                }                                                                       \
+        }                                                                               \
+        T *out = (T *)job->out + (seq * heads + h0) * dim;                              \
+        for (int64_t h = 0; h < g; h++)                                                 \
+            for (int64_t i = 0; i < vecs; i++)                                          \
+                STORE(out + (h * vecs + i) * LANES, acc[h * vecs + i] / total[h]);      \
+    }                                                                                   \
+}
+
+KERNEL(decode_f32, float, load_f32, store_f32)
+KERNEL(decode_bf16, uint16_t, load_bf16, store_bf16)
+
+typedef struct { Job *job; int is_bf16; } Worker;
+
+static void *work(void *arg) {
+    Worker *w = arg;
+    int64_t len = w->job->max_len > 0 ? w->job->max_len : 1;
+    float *scores = malloc(sizeof(float) * w->job->group * len);
+    if (scores == NULL) return (void *)1;
+    if (w->is_bf16) decode_bf16(w->job, scores); else decode_f32(w->job, scores);
+    free(scores);
+    return NULL;
+}
+
+/* Returns 0 on success, -1 when memory or threads ran out (the caller falls back). */
+int paged_decode(const void *q, const void *k, int64_t v_offset, int64_t block_stride,
+                 const int64_t *tables, int64_t width, const int64_t *lens, int64_t num_seqs,
+                 int64_t heads, int64_t dim, int64_t block_size, int64_t max_len, float scale,
+                 void *out, int is_bf16, int num_threads) {
+    /* whole sequences when there are enough to share out, else one head per item */
+    int64_t group = num_seqs >= 4 * num_threads ? heads : 1;
+    Job job = {q, k, v_offset, block_stride, tables, lens, width, num_seqs, heads, dim,
+               block_size, scale, out, max_len, group, 0};
+    Worker worker = {&job, is_bf16};
+    pthread_t threads[64];
+    int started = 0, failed = 0;
+    if (num_threads > 64) num_threads = 64;
+    for (; started < num_threads - 1; started++)
+        if (pthread_create(&threads[started], NULL, work, &worker) != 0) break;
+    failed |= work(&worker) != NULL;
+    for (int i = 0; i < started; i++) {
+        void *status;
+        pthread_join(threads[i], &status);
+        failed |= status != NULL;
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ASERVE_CACHE_DIR") or Path.home() / ".cache" / "aserve")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (Linux), or "" where /proc/cpuinfo is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))),
+                "")
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
+    if os.environ.get("ASERVE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler: paged attention uses its plain-torch path")
+        return None
+    # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
+    # the key names this CPU's instruction sets.
+    key = "\n".join((_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), _cpu_flags()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"paged_decode_{digest}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                source, built = Path(tmp) / "paged_decode.c", Path(tmp) / path.name
+                source.write_text(_SOURCE)
+                subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                built.replace(path)  # atomic: concurrent processes see a whole library
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("paged attention kernel not built (%s): using the plain-torch path",
+                       exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                 ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.paged_decode.restype = ctypes.c_int
+    return lib
+
+
+def is_supported(kv_cache: Tensor) -> bool:
+    """Whether `decode` runs for this cache (and the kernel builds on this machine)."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in KERNEL_DTYPES
+            and kv_cache.shape[-1] % LANES == 0 and kv_cache.is_contiguous()
+            and _library() is not None)
+
+
+def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_lens: Tensor,
+           max_seq_len: int, scale: float) -> Tensor | None:
+    """`[num_seqs, heads, dim]` attention of one query per sequence over its first
+    `seq_lens[i]` cached tokens of `layer` (blocks `block_tables[i]`); None when
+    unsupported (`is_supported`), so that the caller takes its reference path."""
+    if not is_supported(kv_cache) or q.dtype != kv_cache.dtype:
+        return None
+    lib = _library()
+    assert lib is not None
+    _, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
+    q = q.contiguous()  # [num_seqs, heads, dim]
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()  # long
+    out = torch.empty_like(q)
+    block_elems = block_size * num_heads * head_dim  # one K (or V) block of one layer
+    k_ptr = kv_cache.data_ptr() + layer * 2 * block_elems * kv_cache.element_size()
+    status = lib.paged_decode(
+        q.data_ptr(), k_ptr, block_elems, num_layers * 2 * block_elems, tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), q.shape[0], num_heads, head_dim, block_size,
+        max_seq_len, scale, out.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+        torch.get_num_threads())
+    return out if status == 0 else None
