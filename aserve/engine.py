@@ -35,6 +35,7 @@ from aserve.errors import EngineError, EngineOverloaded
 from aserve.kvspace import KVSpace
 from aserve.messages import Submit
 from aserve.runner import ModelRunner
+from aserve.step_cost import EngineStepCost
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from scheduler import PolicyConfig, get_policy, tree_range
@@ -98,6 +99,12 @@ class Engine:
                                  Lifecycle(kv, model_config.eos_token_id,
                                            trace_limit=cfg.trace_limit),
                                  max_len)
+        # the cost-aware policy's step model: the runner's own if it has one (a test's
+        # cost-model runner), else sim/cost.py's fitted to this engine's iteration records
+        decode_runner = runners[cfg.decode_devices[0]]
+        policy.step_time = getattr(decode_runner, "step_time", None) or EngineStepCost(
+            model_config, cfg.model.attention, cfg.decode_devices[0],
+            resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
         self._build_actors(self.ctx)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+from scheduler.cost import StepTime, unit_step_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,9 @@ class Policy(ABC):
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
+        # the predicted time of one decode step over given KV lengths (scheduler/cost.py),
+        # set by ``get_policy``; a driver may replace it as its constants are refitted
+        self.step_time: StepTime = unit_step_time
 
     @abstractmethod
     def add(self, seq: SeqView) -> None:
@@ -157,9 +161,13 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def get_policy(name: str, config: PolicyConfig) -> Policy:
-    """Instantiate the policy registered as ``name``. Raises ValueError if unknown."""
+def get_policy(name: str, config: PolicyConfig, step_time: StepTime | None = None) -> Policy:
+    """Instantiate the policy registered as ``name``, deciding with ``step_time`` (the
+    driver's step-cost model; None: ``unit_step_time``). Raises ValueError if unknown."""
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; known policies: {sorted(POLICIES)}")
-    return cls(config)
+    policy = cls(config)
+    if step_time is not None:
+        policy.step_time = step_time
+    return policy

@@ -78,4 +78,5 @@ def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
     """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
     its last token (the first comes from prefill), or since arrival before that."""
     return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
-                   seq.batch_id, seq.token_times[-1] if seq.token_times else None)
+                   seq.batch_id, seq.token_times[-1] if seq.token_times else None,
+                   seq.num_returns)

@@ -117,6 +117,7 @@ class DecodeCore:
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the
         pool has no room it stays where it is."""
+        seq.num_returns += 1
         if seq.location == "host":  # a candidate request that was never staged
             self.cand_requests.remove(seq)
             seq.status = SeqStatus.POOLED
@@ -124,6 +125,7 @@ class DecodeCore:
             return None
         move = self.life.reserve(seq, "host", at=now)
         if move is None and not seq.is_finished:
+            seq.num_returns -= 1
             return None
         if seq in self.running:
             self.running.remove(seq)
