@@ -104,7 +104,7 @@ class Engine:
         decode_runner = runners[cfg.decode_devices[0]]
         policy.step_time = getattr(decode_runner, "step_time", None) or EngineStepCost(
             model_config, cfg.model.attention, cfg.decode_devices[0],
-            resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations)
+            resolve_dtype(cfg.model.dtype).itemsize, self.ctx.outputs.iterations)
         self.vocab_size = model_config.vocab_size
         self.ctx.outputs.on_finish = self._on_finish
         self._build_actors(self.ctx)

@@ -15,6 +15,7 @@ from aserve.config import EngineConfig
 from aserve.core import Request, SamplingParams
 from aserve.engine import Engine
 from bench.workloads import Workload, WorkloadRequest
+from scheduler import POLICIES as REGISTERED
 from scheduler import get_policy
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.drivers import SimContext
@@ -118,7 +119,7 @@ def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type
             [(t.seq_id, t.src, t.dst, t.num_blocks) for t in transfers])
 
 
-POLICIES = ["aligned-loose", "aligned", "aligned-noprefetch", "fcfs", "continuous"]
+POLICIES = sorted(REGISTERED)  # every registered policy
 
 
 @pytest.mark.parametrize("policy", POLICIES)
