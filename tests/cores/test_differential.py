@@ -6,6 +6,7 @@ same batch decisions, KV moves and lifecycle events in the same order at the sam
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import selectors
 
@@ -77,9 +78,12 @@ def engine_config(policy: str) -> EngineConfig:
                                starvation_threshold=0.3)
 
 
-async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engine:
-    """The workload through the engine driver; KV copies take the simulator's link time."""
-    engine = Engine(engine_config(policy), CostRunner.factory(cost, sim_ctx.device))
+async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext,
+                     config: EngineConfig | None = None, load: Workload | None = None,
+                     aborts: dict[str, float] = ABORTS, deadline: float = math.inf) -> Engine:
+    """The workload (default ``workload()``) through the engine driver; KV copies take the
+    simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
+    engine = Engine(config or engine_config(policy), CostRunner.factory(cost, sim_ctx.device))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
@@ -94,8 +98,8 @@ async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engin
     kv.copy = copy  # type: ignore[method-assign]
     engine.ctx.clock = loop.time  # type: ignore[union-attr]
     queues = []
-    timeline = sorted([(r.arrival_time, 0, r) for r in workload().requests]
-                      + [(t, 1, seq_id) for seq_id, t in ABORTS.items()], key=lambda x: x[:2])
+    timeline = sorted([(r.arrival_time, 0, r) for r in (load or workload()).requests]
+                      + [(t, 1, seq_id) for seq_id, t in aborts.items()], key=lambda x: x[:2])
     for at, kind, item in timeline:
         if at > loop.time():  # what happens at one time happens without a yield between
             await asyncio.sleep(at - loop.time())
@@ -106,7 +110,7 @@ async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engin
             request_id=item.request_id, prompt_token_ids=(0,) * item.prompt_len,
             sampling=SamplingParams(max_tokens=item.output_len, ignore_eos=True),
             arrival_time=at)))
-    while engine.stats()["live"]:
+    while engine.stats()["live"] and loop.time() < deadline:
         await asyncio.sleep(0.01)
     await engine.stop()
     return engine
