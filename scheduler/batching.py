@@ -202,13 +202,13 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
             if (spread is not None and max_spread is not None
                     and not spread.fits(seq.length, max_spread)):
                 continue
-            if accepts is not None and chosen is admitted[0] and not accepts(lengths, seq):
-                continue
             cost = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
             if cost > blocks_left:
                 if is_strict:
                     slots_left = 0
                     break
+                continue
+            if accepts is not None and chosen is admitted[0] and not accepts(lengths, seq):
                 continue
             chosen.append(seq.seq_id)
             lengths.append(seq.length)

@@ -39,6 +39,31 @@ class AlignedPolicy(AlignedStrictPolicy):
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(dataclasses.replace(config, max_spread=None))
         self._slots = 1  # the device's batch slots, learned at the first boundary
+        # the ideal per-token cost line (base, slope) and what it was probed for: the step
+        # model, its version (``num_fits``: a driver may refit it) and the slots
+        self._line: tuple[float, float] | None = None
+        self._line_key: tuple[object, ...] = ()
+        # per decision: the running seqs' waste as admissions grow them (size, waste)
+        self._running_waste: tuple[int, float] = (-1, 0.0)
+
+    def _begin(self, slots: int) -> None:
+        """A decision starts: its cost figures are taken afresh where the model changed."""
+        self._slots = max(self._slots, slots)
+        key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
+        if key != self._line_key:
+            self._line, self._line_key = None, key
+        self._running_waste = (-1, 0.0)
+
+    def ideal(self, length: float) -> float:
+        """Predicted step time per token in a full batch of seqs of one ``length``: linear
+        in the length (weights and overheads shared by ``slots`` seqs, plus the KV read),
+        so two probes of the model give it for every length."""
+        if self._line is None:
+            slots, top = self._slots, self.config.max_len
+            base = self.step_time([1] * slots) / slots
+            self._line = (base, (self.step_time([top] * slots) / slots - base) / (top - 1))
+        base, slope = self._line
+        return base + slope * (length - 1)
 
     # -- the cost model ------------------------------------------------------------------
     def waste(self, lengths: Sequence[int]) -> float:
@@ -48,20 +73,17 @@ class AlignedPolicy(AlignedStrictPolicy):
 
         Raw tokens per second would always favour the shortest requests and leave the long
         ones for later, half-empty batches; charging each token only the waste lets every
-        length be served at its own cost. Ideal costs are linear in the length, so ``n``
-        ideal tokens of mean length ``m`` cost ``n * T([m] * slots) / slots``.
+        length be served at its own cost (``ideal``, linear in the length, so the tokens'
+        ideal cost is that of their mean length).
         """
         if not lengths:
             return 0.0
         n = len(lengths)
-        slots = max(self._slots, n)
-        mean = sum(lengths) / n
-        ideal = n * self.step_time([mean] * slots) / slots  # type: ignore[list-item]
-        return (self.step_time(lengths) - ideal) / n
+        return self.step_time(lengths) / n - self.ideal(sum(lengths) / n)
 
-    def _less_waste(self, lengths: Sequence[int], than: Sequence[int]) -> bool:
-        """Whether ``lengths`` wastes less per token than ``than``, beyond rounding."""
-        return self.waste(lengths) < self.waste(than) - WASTE_TOLERANCE * self.step_time(())
+    def _less_waste(self, waste: float, than: float) -> bool:
+        """Whether waste ``waste`` is less than ``than``, beyond rounding."""
+        return waste < than - WASTE_TOLERANCE * self.ideal(1) * self._slots
 
     def _lengths(self, ids: Sequence[str]) -> list[int]:
         return [self.tree.get(i).length for i in ids]
@@ -73,7 +95,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         the part that wastes less). Otherwise DFS, choosing among the subtrees at its first
         fork (a node with two or more populated children) by the least ``waste`` per token
         instead of by the request count alone; below the fork DFS descends by density."""
-        self._slots = max(self._slots, max_requests)
+        self._begin(max_requests)
         root = self.tree.root
         if root.num_requests == 0:
             return []
@@ -87,9 +109,11 @@ class AlignedPolicy(AlignedStrictPolicy):
                            for child in fork.children
                            if child.num_requests and child.min_blocks <= max_blocks]
         best: list[str] = []
+        best_waste = 0.0
         for ids in candidates:  # density's choice first: it stands unless another wastes less
-            if ids and (not best or self._less_waste(self._lengths(ids), self._lengths(best))):
-                best = ids
+            waste = self.waste(self._lengths(ids)) if ids else 0.0
+            if ids and (not best or self._less_waste(waste, best_waste)):
+                best, best_waste = ids, waste
         return best
 
     @staticmethod
@@ -120,7 +144,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         if best == n:
             return [seq_id for _, seq_id, _ in ordered]
         short, long = ordered[:best], ordered[best:]
-        part = long if self._less_waste([x[0] for x in long], [x[0] for x in short]) else short
+        wastes = [self.waste([length for length, _, _ in part]) for part in (long, short)]
+        part = long if self._less_waste(*wastes) else short
         return [seq_id for _, seq_id, _ in part]
 
     # -- the boundary --------------------------------------------------------------------
@@ -136,7 +161,7 @@ class AlignedPolicy(AlignedStrictPolicy):
           of the slots; then its stragglers that would not mix go back to the pool (each
           seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
         """
-        self._slots = max(self._slots, view.max_batch_size)
+        self._begin(view.max_batch_size)
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
         victims = [*sorted(old, key=lambda s: -s.length), *sorted(current, key=lambda s: -s.length)]
@@ -159,8 +184,16 @@ class AlignedPolicy(AlignedStrictPolicy):
         return self._switch_to(view, batch, unswitched=plan)
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
-        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token."""
-        return not lengths or not self._less_waste(lengths, [*lengths, seq.length])
+        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
+        ``lengths`` only grows within one decision (admitted seqs join it), so its waste is
+        computed once per size."""
+        if not lengths:
+            return True
+        size, waste = self._running_waste
+        if size != len(lengths):
+            waste = self.waste(lengths)
+            self._running_waste = (len(lengths), waste)
+        return not self._less_waste(waste, self.waste([*lengths, seq.length]))
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
                    unswitched: BoundaryPlan) -> BoundaryPlan:
