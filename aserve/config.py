@@ -76,9 +76,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
-    max_spread: float | None = 1.5  # aligned: every admission keeps a batch's longest prefix
-    # within this many times its shortest (None: the paper's looser rules, = aligned-loose)
-    drain_floor: float = 0.1  # aligned: a batch switch waits for the old batch to drain to
+    max_spread: float | None = 1.5  # aligned-strict: every admission keeps a batch's longest
+    # prefix within this many times its shortest (None: the paper's looser rules)
+    drain_floor: float = 0.1  # aligned*: a batch switch waits for the old batch to drain to
     # this share of max_batch_size, then returns those left to the host pool
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
 
@@ -287,8 +287,8 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     add("--max-waiting", type=int, default=d("max_waiting", s.max_waiting),
         help="requests waiting for prefill before new ones get HTTP 503")
     add("--max-spread", type=spread_arg, default=d("max_spread", s.max_spread),
-        help="aligned: the longest/shortest prefix ratio an admission may leave in the "
-             "running batch ('off': the paper's looser rules)")
+        help="aligned-strict: the longest/shortest prefix ratio an admission may leave in "
+             "the running batch ('off': the paper's looser rules); default 1.5")
     add("--seed", type=int, default=d("seed", e.seed),
         help="seeds the RNG that sampled requests without their own seed draw from "
              "(as vLLM's --seed)")

@@ -26,9 +26,9 @@ class PolicyConfig:
     max_len: int = 65536  # quad-tree range (tokens)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch window widening (fraction of length)
-    max_spread: float | None = 1.5  # aligned: every admission keeps the running batch's
-    # longest prefix within this many times its shortest (None: the paper's looser rules)
-    drain_floor: float = 0.1  # aligned with max_spread: a switch waits for the old batch to
+    max_spread: float | None = 1.5  # aligned-strict: every admission keeps the running
+    # batch's longest prefix within this many times its shortest (None: the paper's rules)
+    drain_floor: float = 0.1  # aligned, aligned-strict: a switch waits for the old batch to
     # drain down to this share of max_batch_size, then returns those left to the pool
 
     @classmethod
