@@ -288,7 +288,7 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         help="requests waiting for prefill before new ones get HTTP 503")
     add("--max-spread", type=spread_arg, default=d("max_spread", s.max_spread),
         help="aligned-strict: the longest/shortest prefix ratio an admission may leave in "
-             "the running batch ('off': the paper's looser rules); default 1.5")
+             "the running batch ('off': the paper's looser rules)")
     add("--seed", type=int, default=d("seed", e.seed),
         help="seeds the RNG that sampled requests without their own seed draw from "
              "(as vLLM's --seed)")
