@@ -71,19 +71,19 @@ def cost_model() -> CostModel:
     return CostModel(get_geometry("opt-tiny"), hw, CostParams(step_overhead=0.005))
 
 
-def engine_config(policy: str) -> EngineConfig:
+def engine_config(policy: str, starvation_threshold: float | None = 0.3) -> EngineConfig:
     return EngineConfig.create(model="opt-tiny", policy=policy, num_decode_blocks=48,
                                num_prefill_blocks=128, num_staging_blocks=64,
                                host_pool_gb=0.002, min_requests=4, max_batch_size=16,
-                               starvation_threshold=0.3)
+                               starvation_threshold=starvation_threshold)
 
 
-async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext,
-                     config: EngineConfig | None = None, load: Workload | None = None,
-                     aborts: dict[str, float] = ABORTS, deadline: float = math.inf) -> Engine:
-    """The workload (default ``workload()``) through the engine driver; KV copies take the
+async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
+                     load: Workload | None = None, aborts: dict[str, float] = ABORTS,
+                     deadline: float = math.inf) -> Engine:
+    """`load` (by default the workload above) through the engine driver; KV copies take the
     simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
-    engine = Engine(config or engine_config(policy), CostRunner.factory(cost, sim_ctx.device))
+    engine = Engine(config, CostRunner.factory(cost, sim_ctx.device))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
@@ -116,6 +116,16 @@ async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext,
     return engine
 
 
+def run_on_virtual_clock(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
+                         load: Workload | None = None) -> Engine:
+    """`run_engine` on a VirtualClockLoop: deterministic, and as fast as the events allow."""
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(run_engine(config, cost, sim_ctx, load))
+    finally:
+        loop.close()
+
+
 def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type: ignore[no-untyped-def]
     return ([(e.seq_id, e.kind) for e in events],
             [(it.instance, it.batch_size, it.min_len, it.max_len, it.is_mixed)
@@ -132,11 +142,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str) -> None:
     config = engine_config(policy)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, ClusterConfig().policy_config(4096)))
-    loop = VirtualClockLoop()
-    try:
-        engine = loop.run_until_complete(run_engine(policy, cost, probe))
-    finally:
-        loop.close()
+    engine = run_on_virtual_clock(config, cost, probe)
     kv = engine.ctx.kv  # type: ignore[union-attr]
     cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
     result = simulate(workload(), policy, cluster, cost, aborts=ABORTS)

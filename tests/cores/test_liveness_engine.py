@@ -38,7 +38,7 @@ SCENARIOS = {
     "burst": (requests(*((4 + 37 * i, 8 + i % 5, 0.0) for i in range(12)), (490, 20, 0.0)),
               dict(num_decode_blocks=32, num_prefill_blocks=64, num_staging_blocks=2,
                    host_blocks=400, max_batch_size=8, min_requests=4,
-                   starvation_threshold=0.001)),
+                   starvation_threshold=0.0)),
     # a trickle with starvation control off and one batch slot
     "trickle": (requests(*((10 + 41 * i, 6, 0.003 * i) for i in range(10))),
                 dict(num_decode_blocks=64, num_prefill_blocks=64, num_staging_blocks=64,
@@ -63,7 +63,7 @@ def test_every_request_finishes_on_the_engine(policy: str, scenario: str) -> Non
     loop = VirtualClockLoop()
     try:
         engine = loop.run_until_complete(run_engine(
-            policy, cost, probe, engine_config, load, aborts={}, deadline=DEADLINE))
+            engine_config, cost, probe, load, aborts={}, deadline=DEADLINE))
     finally:
         loop.close()
     finished = {e.seq_id for e in engine.events if e.kind == "finish"}

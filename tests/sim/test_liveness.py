@@ -53,7 +53,7 @@ def capacity(draw: st.DrawFn, need: int) -> int:
 @st.composite
 def clusters(draw: st.DrawFn, workload: Workload) -> ClusterConfig:
     need = max(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in workload.requests)
-    return ClusterConfig(
+    return ClusterConfig.create(
         prefill_devices=("p0",), decode_devices=("d0",), block_size=BLOCK_SIZE,
         num_decode_blocks=capacity(draw, need), num_prefill_blocks=capacity(draw, need),
         num_staging_blocks=draw(st.sampled_from([1, need, 8 * need])),
