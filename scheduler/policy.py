@@ -67,6 +67,8 @@ class Policy(ABC):
     uses_pool: ClassVar[bool] = True  # False: prefill and decode share a device, no pool
     uses_staging: ClassVar[bool] = True  # False: KV goes host -> decode device directly
     uses_dynamic_prefetch: ClassVar[bool] = False  # True: the engine should call matching()
+    uses_step_cost: ClassVar[bool] = False  # True: decides with ``step_time`` (a driver
+    # should give it a fitted model, e.g. the engine's start-up probe)
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -35,6 +35,7 @@ class AlignedPolicy(AlignedStrictPolicy):
     switches are weighed by the step-cost model (see ``waste``)."""
 
     name = "aligned"
+    uses_step_cost = True
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(dataclasses.replace(config, max_spread=None))
