@@ -15,7 +15,7 @@ ADMIT_LOOKAHEAD = 1  # extra tokens of growth an admission reserves beyond the n
 # return them again when they come back as the next batch, and two small groups of unlike
 # lengths would trade places forever, a KV round trip per token (issue 15's livelock). So
 # a policy returns a seq to the pool at most this many times; then it stays until done.
-MAX_RETURNS = 1
+MAX_RETURNS = 2
 
 
 @dataclass(frozen=True, slots=True)

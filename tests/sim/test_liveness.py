@@ -78,9 +78,9 @@ def test_every_request_finishes_under_every_policy(data: st.DataObject, policy: 
     assert result.num_loop_events < limit, "the run kept going without finishing its work"
     assert result.num_finished == workload.num_requests
     assert all(n == 0 for n in result.blocks_left.values())
-    # NOTE: a move back to the pool is a batch switch's return (at most once per request
-    # under `aligned`) or an eviction that found the staging buffer full; each needs the
-    # request to have been admitted again in between, so a few suffice.
+    # NOTE: a move back to the pool is a batch switch's return (at most MAX_RETURNS per
+    # request) or an eviction that found the staging buffer full; each needs the request
+    # to have been admitted again in between, so a few suffice.
     to_pool = Counter(t.seq_id for t in result.transfers
                       if t.dst == "host" and not t.src.startswith("prefill"))
     assert max(to_pool.values(), default=0) <= MAX_POOL_MOVES, to_pool.most_common(3)
