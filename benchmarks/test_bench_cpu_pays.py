@@ -35,14 +35,6 @@ NO_BUBBLE_FLOOR = 0.97  # paged: aligned >= 0.97x the better of fcfs and continu
 FIG7_POINTS = "0.7,0.8,0.9,0.95"  # benchmarks/RESULTS.md §3
 
 
-def rows(doc: dict[str, object]) -> dict[str, dict[str, float]]:
-    """Each system's row of the last workload in `doc`, by system name without backend."""
-    results = doc["results"]
-    assert isinstance(results, list)
-    last = results[-1]["workload"]
-    return {r["system"].split("/")[0]: r for r in results if r["workload"] == last}
-
-
 def ratios(doc: dict[str, object], workload: str | None = None) -> dict[str, float]:
     results = doc["results"]
     assert isinstance(results, list)

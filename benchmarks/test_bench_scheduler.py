@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from sim import CostModel, get_geometry, get_hardware
-
 from scheduler import (
     AlignedStrictPolicy,
     BoundaryView,
@@ -26,6 +24,7 @@ from scheduler import (
     density_first_search,
     get_policy,
 )
+from sim import CostModel, get_geometry, get_hardware
 
 pytestmark = pytest.mark.bench
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from scheduler.aligned import AlignedLoosePolicy, AlignedStrictPolicy
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView, ceil_div, tree_range
-from scheduler.throughput import AlignedNoPrefetchPolicy, AlignedPolicy
 from scheduler.continuous import (
     ContinuousPlan,
     ContinuousPolicy,
@@ -18,6 +17,7 @@ from scheduler.dfs import anchored_search, density_first_search
 from scheduler.fcfs import FcfsPolicy
 from scheduler.policy import POLICIES, Policy, PolicyConfig, get_policy, register_policy
 from scheduler.quadtree import PooledRequest, QuadNode, QuadTree
+from scheduler.throughput import AlignedNoPrefetchPolicy, AlignedPolicy
 
 __all__ = [
     "POLICIES",

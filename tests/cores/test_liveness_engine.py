@@ -5,7 +5,6 @@ policy, and none goes back to the host pool more than a few times."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
