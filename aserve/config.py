@@ -283,8 +283,8 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     add("--max-waiting", type=int, default=d("max_waiting", s.max_waiting),
         help="requests waiting for prefill before new ones get HTTP 503")
     add("--max-spread", type=spread_arg, default=d("max_spread", s.max_spread),
-        help="aligned: the longest/shortest prefix ratio an admission may leave in the "
-             "running batch ('off': the paper's looser rules)")
+        help="aligned-strict: the longest/shortest prefix ratio an admission may leave in "
+             "the running batch ('off': the paper's looser rules)")
     add("--seed", type=int, default=d("seed", e.seed),
         help="seeds the RNG that sampled requests without their own seed draw from "
              "(as vLLM's --seed)")

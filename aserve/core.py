@@ -160,6 +160,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     instance: int = -1
     batch_id: int = -1
+    num_returns: int = 0  # times a policy sent it back to the host pool mid-decode
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (if asked)
     token_times: list[float] = field(default_factory=list)

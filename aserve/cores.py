@@ -181,7 +181,8 @@ def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
     """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
     its last token (the first comes from prefill), or since arrival before that."""
     return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
-                   seq.batch_id, seq.token_times[-1] if seq.token_times else None)
+                   seq.batch_id, seq.token_times[-1] if seq.token_times else None,
+                   seq.num_returns)
 
 
 # -- kv -------------------------------------------------------------------------------
@@ -839,6 +840,7 @@ class DecodeCore:
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the
         pool has no room it stays where it is."""
+        seq.num_returns += 1
         if seq.location == "host":  # a candidate request that was never staged
             self.cand_requests.remove(seq)
             seq.status = SeqStatus.POOLED
@@ -846,6 +848,7 @@ class DecodeCore:
             return None
         move = self.life.reserve(seq, "host", at=now)
         if move is None and not seq.is_finished:
+            seq.num_returns -= 1
             return None
         if seq in self.running:
             self.running.remove(seq)

@@ -30,6 +30,7 @@ from aserve.cores import Lifecycle
 from aserve.driver import Actor, EngineContext, KVSpace, build_actors
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.runner import ModelRunner
+from aserve.step_cost import EngineStepCost, probe
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from scheduler import PolicyConfig, get_policy, tree_range
@@ -93,6 +94,19 @@ class Engine:
                                  Lifecycle(kv, model_config.eos_token_id,
                                            trace_limit=cfg.trace_limit),
                                  max_len)
+        # the cost-aware policy's step model: the runner's own if it has one (a test's
+        # cost-model runner), else sim/cost.py's fitted to a start-up probe of the decode
+        # device, then to this engine's iteration records
+        decode_runner = runners[cfg.decode_devices[0]]
+        policy.step_time = getattr(decode_runner, "step_time", None)
+        if policy.step_time is None:
+            probed = await decode_runner.call(
+                probe, decode_runner, kv["decode0"].tensor, cfg.cache.num_decode_blocks,
+                cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size
+            ) if policy.uses_step_cost else []
+            policy.step_time = EngineStepCost(
+                model_config, cfg.model.attention, cfg.decode_devices[0],
+                resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations, probed)
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish
         build_actors(self.ctx)

@@ -23,8 +23,9 @@ from bench.metrics import Summary, percentile, summarize
 from bench.workloads import Workload, WorkloadRequest
 from models.loader import DTYPES
 from models.opt import PRESETS, OPTConfig
+from scheduler import POLICIES
 
-ENGINE_POLICIES = ("aligned", "aligned-loose", "aligned-noprefetch", "fcfs", "continuous")
+ENGINE_POLICIES = tuple(POLICIES)  # every registered policy (scheduler/policy.py)
 WARMUP_PREFIX = "warmup-"  # request ids of the warm-up run, dropped from the results
 NUM_WARMUP = 2  # warm-up requests before the measured run (first-call costs)
 BATCH_KV_FRACTION = 0.9  # SchedulerConfig.batch_kv_fraction (share a new batch may take)

@@ -1,5 +1,7 @@
 """The paper's policy: quad-tree pool, density-first search with starvation control,
-dynamic prefetch, and batch-level scheduling at iteration boundaries (docs/design.md §1, §4).
+dynamic prefetch, and batch-level scheduling at iteration boundaries (docs/design.md §1, §4),
+as two fixed rules: `aligned-strict` (every batch within ``max_spread``) and `aligned-loose`
+(the paper's rules as written). The cost-aware default, `aligned`, is scheduler/throughput.py.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
+    MAX_RETURNS,
     LengthRange,
     SeqView,
     by_arrival,
@@ -27,10 +30,11 @@ from scheduler.quadtree import QuadTree
 
 
 @register_policy
-class AlignedPolicy(Policy):
-    """Prefix-aware batching: batches of similar length, refilled by length at boundaries."""
+class AlignedStrictPolicy(Policy):
+    """Prefix-aware batching: batches of similar length, refilled by length at boundaries,
+    every running batch within ``max_spread`` (1.5 by default)."""
 
-    name = "aligned"
+    name = "aligned-strict"
     uses_dynamic_prefetch = True
 
     def __init__(self, config: PolicyConfig) -> None:
@@ -70,6 +74,11 @@ class AlignedPolicy(Policy):
         (otherwise the next switch would return it, and it would starve again)."""
         return self._past_threshold(view, seq.arrival_time)
 
+    def may_return(self, view: BoundaryView, seq: SeqView) -> bool:
+        """Whether a batch switch may send running ``seq`` back to the pool: not overdue,
+        and returned fewer than ``MAX_RETURNS`` times (scheduler/batching.py: liveness)."""
+        return seq.num_returns < MAX_RETURNS and not self.is_overdue(view, seq)
+
     def _past_threshold(self, view: BoundaryView, since: float) -> bool:
         """Whether more than the starvation threshold has passed since ``since`` at the
         boundary (never without a threshold)."""
@@ -90,6 +99,10 @@ class AlignedPolicy(Policy):
                                     max_requests)
             if batch:
                 return batch
+        return self.search(max_blocks, min_requests, max_requests)
+
+    def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
+        """The next batch when no request starves: DFS."""
         return density_first_search(self.tree, max_blocks, min_requests, max_requests)
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
@@ -116,7 +129,7 @@ class AlignedPolicy(Policy):
           candidate-batch seqs oldest first (a batch switch; seqs that do not fit yet wait
           for the old batch to drain, and oldest-first keeps that wait fair).
 
-        With ``max_spread`` (the default; see ``_plan_strict``) no refill or switch may leave
+        With ``max_spread`` (`aligned-strict`; see ``_plan_strict``) no refill or switch may leave
         the running batch wider than that; ``aligned-loose`` keeps the rules above as is.
         """
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
@@ -151,7 +164,7 @@ class AlignedPolicy(Policy):
 
     def _plan_strict(self, view: BoundaryView, current: Sequence[SeqView],
                      old: Sequence[SeqView], victims: Sequence[SeqView]) -> BoundaryPlan:
-        """Strict alignment (the default, ``max_spread``). Every admission, candidate request
+        """Strict alignment (`aligned-strict`, ``max_spread``). Every admission, candidate request
         or candidate batch seq, keeps the running seqs within ``max_spread``; seqs only grow,
         so a batch admitted within it stays within it. A switch to a candidate batch that
         does not fit waits for the old batch to drain, down to ``drain_floor`` of the batch
@@ -167,7 +180,7 @@ class AlignedPolicy(Policy):
         """
         evict = plan_evictions(view, victims)
         if evict:
-            returned = {s.seq_id for s in old if not self.is_overdue(view, s)}
+            returned = {s.seq_id for s in old if self.may_return(view, s)}
             return BoundaryPlan(evict=tuple(i for i in evict if i not in returned),
                                 to_pool=tuple(i for i in evict if i in returned))
         spread = self.config.max_spread
@@ -191,7 +204,7 @@ class AlignedPolicy(Policy):
         batch_range = LengthRange.of(s.length for s in batch)
         stale = [s for s in (*view.running, *view.candidate_requests)
                  if not batch_range.fits(s.length, spread)
-                 and not self.is_overdue(view, s)]
+                 and self.may_return(view, s)]
         stale_ids = {s.seq_id for s in stale}
         kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
         freed = sum(s.num_blocks for s in view.running if s.seq_id in stale_ids)
@@ -204,7 +217,7 @@ class AlignedPolicy(Policy):
 
 
 @register_policy
-class AlignedLoosePolicy(AlignedPolicy):
+class AlignedLoosePolicy(AlignedStrictPolicy):
     """The paper's rules as written, without the spread bound: a widened prefetch window,
     refills closest in length first, and switches that mix the old and new batch until
     the old one drains (``max_spread`` is ignored)."""
@@ -213,16 +226,3 @@ class AlignedLoosePolicy(AlignedPolicy):
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(dataclasses.replace(config, max_spread=None))
-
-
-@register_policy
-class AlignedNoPrefetchPolicy(AlignedPolicy):
-    """Ablation: the same decisions, but KV goes host -> decode directly, no prefetch."""
-
-    name = "aligned-noprefetch"
-    uses_staging = False
-    uses_dynamic_prefetch = False
-
-    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
-                 now: float) -> list[str]:
-        return []

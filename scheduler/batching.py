@@ -7,10 +7,15 @@ anti-thrash rule live here once. Pure: no clock, no I/O, no torch.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 ADMIT_LOOKAHEAD = 1  # extra tokens of growth an admission reserves beyond the next step
+# NOTE: liveness. A batch switch that returns the old batch's stragglers to the pool could
+# return them again when they come back as the next batch, and two small groups of unlike
+# lengths would trade places forever, a KV round trip per token (issue 15's livelock). So
+# a policy returns a seq to the pool at most this many times; then it stays until done.
+MAX_RETURNS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,7 @@ class SeqView:
     arrival_time: float  # seconds, caller's clock
     batch_id: int = -1  # candidate batch it was admitted with (-1: a single request)
     waiting_since: float | None = None  # its last progress, e.g. last token (None: arrival)
+    num_returns: int = 0  # times a policy has sent it back to the host pool mid-decode
 
     @property
     def wait_start(self) -> float:
@@ -171,7 +177,8 @@ def admission_room(view: BoundaryView) -> tuple[int, int]:
 
 
 def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
-                    is_strict: bool, max_spread: float | None = None) -> BoundaryPlan:
+                    is_strict: bool, max_spread: float | None = None,
+                    accepts: Callable[[list[int], SeqView], bool] | None = None) -> BoundaryPlan:
     """Admit candidate requests, then the candidate batch, in the given orders.
 
     A seq is admitted only if it fits the remaining blocks with its growth (for the next
@@ -180,9 +187,13 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     it may still enter. ``max_spread``: a seq is also skipped if it would leave the running
     seqs plus those admitted so far with the longest above ``max_spread`` times the
     shortest (a candidate batch wider than that enters in pieces, as the batch drains).
+    ``accepts(lengths, seq)``: a candidate request (not a candidate batch seq) is also
+    skipped unless it accepts joining seqs of ``lengths`` (the running ones and those
+    admitted so far).
     """
     blocks_left, slots_left = admission_room(view)
     spread = None if max_spread is None else LengthRange.of(s.length for s in view.running)
+    lengths = [s.length for s in view.running]
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:
@@ -197,7 +208,10 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
                     slots_left = 0
                     break
                 continue
+            if accepts is not None and chosen is admitted[0] and not accepts(lengths, seq):
+                continue
             chosen.append(seq.seq_id)
+            lengths.append(seq.length)
             if spread is not None:
                 spread.add(seq.length)
             blocks_left -= cost

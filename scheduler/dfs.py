@@ -34,7 +34,8 @@ def _check_args(max_blocks: int, min_requests: int, max_requests: int | None) ->
 
 
 def density_first_search(tree: QuadTree, max_blocks: int, min_requests: int,
-                         max_requests: int | None = None) -> list[str]:
+                         max_requests: int | None = None,
+                         start: QuadNode | None = None) -> list[str]:
     """Choose a batch of similar-length requests (the paper's three cases).
 
     A subtree *fits* when its blocks are <= ``max_blocks`` and its request count is
@@ -49,13 +50,16 @@ def density_first_search(tree: QuadTree, max_blocks: int, min_requests: int,
     A leaf that does not fit gives a partial batch: its requests in (length, id) order,
     each taken if it still fits, skipping those that do not.
 
+    ``start`` (a node of ``tree``; default the root) searches its subtree only, as if it
+    were the root, except that case 3 may borrow from its siblings.
+
     Returns:
         Request ids: the chosen subtree in (length, id) order, then borrowed ones in the
         order they were borrowed. Never more than ``max_blocks`` blocks; empty only when
-        the tree is empty or no single request fits.
+        the subtree is empty or no single request fits.
     """
     budget = _check_args(max_blocks, min_requests, max_requests)
-    node = tree.root
+    node = tree.root if start is None else start
     if node.num_requests == 0 or node.min_blocks > max_blocks:
         return []
     while not budget.fits(node):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
+from scheduler.cost import StepTime, unit_step_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +27,9 @@ class PolicyConfig:
     max_len: int = 65536  # quad-tree range (tokens)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch window widening (fraction of length)
-    max_spread: float | None = 1.5  # aligned: every admission keeps the running batch's
-    # longest prefix within this many times its shortest (None: the paper's looser rules)
-    drain_floor: float = 0.1  # aligned with max_spread: a switch waits for the old batch to
+    max_spread: float | None = 1.5  # aligned-strict: every admission keeps the running
+    # batch's longest prefix within this many times its shortest (None: the paper's rules)
+    drain_floor: float = 0.1  # aligned, aligned-strict: a switch waits for the old batch to
     # drain down to this share of max_batch_size, then returns those left to the pool
 
     @classmethod
@@ -66,9 +67,14 @@ class Policy(ABC):
     uses_pool: ClassVar[bool] = True  # False: prefill and decode share a device, no pool
     uses_staging: ClassVar[bool] = True  # False: KV goes host -> decode device directly
     uses_dynamic_prefetch: ClassVar[bool] = False  # True: the engine should call matching()
+    uses_step_cost: ClassVar[bool] = False  # True: decides with ``step_time`` (a driver
+    # should give it a fitted model, e.g. the engine's start-up probe)
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
+        # the predicted time of one decode step over given KV lengths (scheduler/cost.py),
+        # set by ``get_policy``; a driver may replace it as its constants are refitted
+        self.step_time: StepTime = unit_step_time
 
     @abstractmethod
     def add(self, seq: SeqView) -> None:
@@ -159,9 +165,13 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def get_policy(name: str, config: PolicyConfig) -> Policy:
-    """Instantiate the policy registered as ``name``. Raises ValueError if unknown."""
+def get_policy(name: str, config: PolicyConfig, step_time: StepTime | None = None) -> Policy:
+    """Instantiate the policy registered as ``name``, deciding with ``step_time`` (the
+    driver's step-cost model; None: ``unit_step_time``). Raises ValueError if unknown."""
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; known policies: {sorted(POLICIES)}")
-    return cls(config)
+    policy = cls(config)
+    if step_time is not None:
+        policy.step_time = step_time
+    return policy

@@ -17,7 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from models.backends import BACKENDS
-from sim.cost import KERNELS, CostModel, CostParams, Features, KernelKind, get_geometry
+from sim.cost import (
+    KERNELS,
+    CostModel,
+    CostParams,
+    Features,
+    KernelKind,
+    ModelGeometry,
+    get_geometry,
+)
 from sim.hardware import get_hardware
 
 Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
@@ -80,9 +88,11 @@ def record_lengths(record: Record) -> tuple[list[int], list[tuple[int, int]]]:
     return [round(lo + (hi - lo) * i / (num_decode - 1)) for i in range(num_decode)], chunks
 
 
-def fit(records: Sequence[Record], model: str = "opt-125m", hardware: str = "cpu",
-        kernel: KernelKind = "split-k", dtype_bytes: int | None = None) -> Calibration:
-    """Fits the constants of the cost model of (`model`, `hardware`, `kernel`) to `records`.
+def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
+        hardware: str = "cpu", kernel: KernelKind = "split-k",
+        dtype_bytes: int | None = None) -> Calibration:
+    """Fits the constants of the cost model of (`model`, `hardware`, `kernel`) to `records`
+    (`model`: a name of sim/cost.py's table, or the geometry itself).
 
     Raises:
         ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1).
@@ -91,7 +101,8 @@ def fit(records: Sequence[Record], model: str = "opt-125m", hardware: str = "cpu
         raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
     hw = get_hardware(hardware)
     hw = replace(hw, dtype_bytes=dtype_bytes) if dtype_bytes else hw
-    nominal = CostModel(get_geometry(model), hw, _NOMINAL, kernel)
+    geometry = get_geometry(model) if isinstance(model, str) else model
+    nominal = CostModel(geometry, hw, _NOMINAL, kernel)
     rows = [r for r in records if _float(r, "forward_time") > 0 and _int(r, "batch_size") >= 1]
     if len(rows) < 3:
         raise ValueError(f"records ({len(rows)} usable) must number >= 3 to fit 4 constants")
@@ -105,7 +116,7 @@ def fit(records: Sequence[Record], model: str = "opt-125m", hardware: str = "cpu
     params = _to_params(coef, q, hw.memory_bandwidth, hw.matmul_rate, has_imbalance)
     fitted = CostModel(nominal.geometry, hw, params, kernel)
     rel = [abs(fitted.time_of(f) / t - 1) for f, t in zip(feats, times)]
-    return Calibration(params, model, hw.name, kernel, hw.dtype_bytes, len(rows),
+    return Calibration(params, geometry.name, hw.name, kernel, hw.dtype_bytes, len(rows),
                        float(np.median(rel)))
 
 

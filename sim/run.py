@@ -68,9 +68,11 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
 
 
 def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostModel,
-             record_tokens: bool = True, aborts: Mapping[str, float] | None = None) -> SimResult:
+             record_tokens: bool = True, aborts: Mapping[str, float] | None = None,
+             max_events: int | None = None) -> SimResult:
     """Replays `workload` through the registered policy `system` on the simulated cluster;
     `aborts` ends the named requests at the given times, as `Engine.abort` would.
+    `max_events` stops the run after that many loop events (requests left unfinished).
 
     Raises:
         ValueError: for an unknown policy or a request that cannot fit (see check_fits).
@@ -78,7 +80,8 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     began = time.perf_counter()
     longest = max((r.prompt_len + r.output_len for r in workload.requests), default=1)
     policy = get_policy(system, config.policy_config(tree_range(max(MIN_TREE_RANGE,
-                                                                     longest + 1))))
+                                                                     longest + 1))),
+                        cost.iteration_time)
     check_fits(workload, config, policy.uses_pool, policy.uses_staging)
     ctx = SimContext(config, cost, policy, record_tokens)
     build_instances(ctx)
@@ -89,7 +92,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
         ctx.loop.at(req.arrival_time, partial(_arrive, ctx, request))
     for seq_id, at in (aborts or {}).items():
         ctx.loop.at(at, partial(_abort, ctx, seq_id))
-    ctx.loop.run()
+    ctx.loop.run(max_events=max_events)
     return SimResult(
         system=system, events=ctx.life.events, iterations=ctx.life.iterations,
         num_requests=workload.num_requests, num_finished=ctx.life.num_finished,

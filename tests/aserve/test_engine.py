@@ -11,9 +11,10 @@ import pytest
 
 from aserve import Engine, SamplingParams
 from aserve.core import RequestOutput
+from scheduler import POLICIES as REGISTERED
 from tests.conftest import make_config, make_prompts
 
-POLICIES = ["fcfs", "continuous", "aligned", "aligned-noprefetch", "aligned-loose"]
+POLICIES = sorted(REGISTERED)  # every registered policy
 
 
 async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParams,

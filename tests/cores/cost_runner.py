@@ -23,6 +23,7 @@ class CostRunner:
 
     def __init__(self, cost: CostModel, device: Device, model: str) -> None:
         self.cost, self.device = cost, device
+        self.step_time = cost.iteration_time  # the engine's policy decides with this model
         self.model_config = OPTConfig.from_name(model)
         self.executor = ThreadPoolExecutor(max_workers=1)
 

@@ -6,6 +6,7 @@ same batch decisions, KV moves and lifecycle events in the same order at the sam
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import selectors
 
@@ -15,6 +16,7 @@ from aserve.config import EngineConfig
 from aserve.core import Request, SamplingParams
 from aserve.engine import Engine
 from bench.workloads import Workload, WorkloadRequest
+from scheduler import POLICIES as REGISTERED
 from scheduler import get_policy
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.drivers import SimContext
@@ -77,9 +79,10 @@ def engine_config(policy: str, starvation_threshold: float | None = 0.3) -> Engi
 
 
 async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
-                     load: Workload | None = None) -> Engine:
+                     load: Workload | None = None, aborts: dict[str, float] = ABORTS,
+                     deadline: float = math.inf) -> Engine:
     """`load` (by default the workload above) through the engine driver; KV copies take the
-    simulator's link time."""
+    simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
     engine = Engine(config, CostRunner.factory(cost, sim_ctx.device))
     await engine.start()
     loop = asyncio.get_running_loop()
@@ -96,7 +99,7 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
     engine.ctx.clock = loop.time  # type: ignore[union-attr]
     queues = []
     timeline = sorted([(r.arrival_time, 0, r) for r in (load or workload()).requests]
-                      + [(t, 1, seq_id) for seq_id, t in ABORTS.items()], key=lambda x: x[:2])
+                      + [(t, 1, seq_id) for seq_id, t in aborts.items()], key=lambda x: x[:2])
     for at, kind, item in timeline:
         if at > loop.time():  # what happens at one time happens without a yield between
             await asyncio.sleep(at - loop.time())
@@ -107,7 +110,7 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
             request_id=item.request_id, prompt_token_ids=(0,) * item.prompt_len,
             sampling=SamplingParams(max_tokens=item.output_len, ignore_eos=True),
             arrival_time=at)))
-    while engine.stats()["live"]:
+    while engine.stats()["live"] and loop.time() < deadline:
         await asyncio.sleep(0.01)
     await engine.stop()
     return engine
@@ -130,7 +133,7 @@ def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type
             [(t.seq_id, t.src, t.dst, t.num_blocks) for t in transfers])
 
 
-POLICIES = ["aligned-loose", "aligned", "aligned-noprefetch", "fcfs", "continuous"]
+POLICIES = sorted(REGISTERED)  # every registered policy
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -105,10 +106,21 @@ def test_fcfs_takes_oldest_first_and_stops_at_the_first_misfit() -> None:
     assert policy.next_batch(max_blocks=20, max_requests=2, now=5.0) == ["a", "b"]
 
 
-def _starvation_run(threshold: float | None, num_ticks: int) -> int | None:
-    """Feed shorts every tick; return the tick whose batch holds the long request."""
-    policy = get_policy("aligned", PolicyConfig(min_requests=NUM_SHORT_PER_TICK,
-                                                max_len=8192, starvation_threshold=threshold))
+def padded_step_time(lengths: Sequence[int]) -> float:
+    """A padded backend's step: the weights (worth 4096 KV tokens) plus batch x longest."""
+    return 4096.0 + len(lengths) * max(lengths, default=0)
+
+
+def _starvation_run(threshold: float | None, num_ticks: int,
+                    name: str = "aligned-strict") -> int | None:
+    """Feed shorts every tick; return the tick whose batch holds the long request.
+
+    `aligned` decides with a padded step cost here: under the default (split-K) cost a
+    pool that fits is taken whole, the long request included, which is what pays there.
+    """
+    policy = get_policy(name, PolicyConfig(min_requests=NUM_SHORT_PER_TICK, max_len=8192,
+                                           starvation_threshold=threshold),
+                        padded_step_time if name == "aligned" else None)
     policy.add(SeqView("long", LONG_LENGTH, LONG_BLOCKS, arrival_time=0.0))
     for tick in range(1, num_ticks + 1):
         for i in range(NUM_SHORT_PER_TICK):
@@ -122,12 +134,23 @@ def _starvation_run(threshold: float | None, num_ticks: int) -> int | None:
     return None
 
 
-def test_starving_long_request_is_chosen_once_its_wait_passes_the_threshold() -> None:
-    assert _starvation_run(threshold=10.0, num_ticks=50) == 11
+@pytest.mark.parametrize("name", ["aligned", "aligned-strict"])
+def test_starving_long_request_is_chosen_once_its_wait_passes_the_threshold(name: str) -> None:
+    assert _starvation_run(threshold=10.0, num_ticks=50, name=name) == 11
 
 
-def test_without_starvation_control_the_long_request_waits_indefinitely() -> None:
-    assert _starvation_run(threshold=None, num_ticks=500) is None
+@pytest.mark.parametrize("name", ["aligned", "aligned-strict"])
+def test_without_starvation_control_the_long_request_waits_indefinitely(name: str) -> None:
+    assert _starvation_run(threshold=None, num_ticks=500, name=name) is None
+
+
+def test_aligned_takes_a_pool_that_fits_whole_unless_padding_makes_a_split_faster() -> None:
+    for step_time, expected in ((None, {"long", "s0", "s1"}), (padded_step_time, {"s0", "s1"})):
+        policy = get_policy("aligned", PolicyConfig(min_requests=1), step_time)
+        policy.add(SeqView("long", LONG_LENGTH, LONG_BLOCKS, arrival_time=0.0))
+        for i in range(2):
+            policy.add(SeqView(f"s{i}", 100, SHORT_BLOCKS, arrival_time=1.0))
+        assert set(policy.next_batch(max_blocks=400, max_requests=64, now=1.0)) == expected
 
 
 def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
@@ -143,7 +166,7 @@ def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
 
 
 def test_prefetch_window_keeps_the_batch_within_max_spread() -> None:
-    policy = get_policy("aligned", PolicyConfig())  # max_spread 1.5 by default
+    policy = get_policy("aligned-strict", PolicyConfig())  # max_spread 1.5 by default
     assert policy.prefetch_window([100, 110]) == (74, 150)  # ceil(110 / 1.5), 100 * 1.5
     assert policy.prefetch_window([100, 140]) == (94, 150)
     assert policy.prefetch_window([100, 200]) == (0, -1)  # already wider than 1.5x: none

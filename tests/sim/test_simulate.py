@@ -20,9 +20,10 @@ from sim import (
     get_hardware,
     simulate,
 )
+from scheduler import POLICIES
 from sim.hardware import Hardware
 
-SYSTEMS = ("aligned", "aligned-noprefetch", "aligned-loose", "fcfs", "continuous")
+SYSTEMS = tuple(sorted(POLICIES))  # every registered policy
 FAST = 1e30  # bandwidths and rates so high that only the fixed step overhead counts
 EPS = 1e-6  # slack for the (FAST-sized) transfer and roofline times
 

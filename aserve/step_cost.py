@@ -1,0 +1,128 @@
+"""The engine's step-cost model, which the cost-aware policy (`aligned`) decides with.
+
+One model for both drivers: sim/cost.py's ``CostModel`` (weights, per-sequence overheads
+and the attention work of the backend: padded, per-sequence waves, split-K) of this
+engine's OPT geometry on its decode device, its constants fitted by sim/calibrate.py to a
+short probe at start-up (a few synthetic decode steps of chosen lengths, ``probe``), then
+refitted to the engine's own decode iteration records as they accumulate, where that fits
+them better than the probe's constants do.
+
+NOTE: the records alone are a poor start: a policy that keeps batches aligned records few
+steps whose lengths differ, so the weight of imbalance cannot be told from them (a fit to
+`aligned`'s own records on the shared CPU put it at 0, and the policy then mixed lengths).
+The probe's steps differ by design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from aserve.core import IterationRecord
+from aserve.runner import ModelRunner, WorkItem
+from models.opt import OPTConfig
+from sim.calibrate import ATTENTION_KERNELS, fit, record_lengths
+from sim.cost import CostModel, ModelGeometry
+from sim.hardware import HARDWARE, get_hardware
+
+FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
+REFIT_GROWTH = 4  # then refitted each time the records have grown this many times
+PROBE_BATCH = 8  # seqs per probe step (at most the engine's max_batch_size)
+PROBE_LONGEST = 512  # KV tokens of the probe's longest seq (less if the cache is small)
+PROBE_REPEATS = 2  # each probe step runs this many times; the fastest counts
+
+
+def hardware_name(device: str) -> str:
+    """The hardware table's entry for a torch device ("cpu", "cuda:N"): a GPU by its name
+    (an H100 where the table has no such GPU)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    return next((key for key in HARDWARE if key != "cpu" and key in name), "h100")
+
+
+class EngineStepCost:
+    """``step_time(lengths)`` for one decode device, refitted from ``records`` (the
+    engine's iteration records, a list the engine keeps appending to)."""
+
+    def __init__(self, model: OPTConfig, attention: str, device: str, dtype_bytes: int,
+                 records: list[IterationRecord],
+                 probed: Sequence[Mapping[str, object]] = ()) -> None:
+        self.geometry = ModelGeometry(
+            "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
+            vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim)
+        self.kernel = ATTENTION_KERNELS[attention]
+        self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
+                                            dtype_bytes=dtype_bytes)
+        self.model = CostModel(self.geometry, self.hardware, kernel=self.kernel)
+        self.records = records
+        self.next_fit = FIRST_FIT
+        self.num_fits = 0
+        if len(probed) >= 3:
+            self.model = self._fitted(probed)
+            self.num_fits += 1
+
+    def __call__(self, lengths: Sequence[int]) -> float:
+        if len(self.records) >= self.next_fit:
+            self.refit()
+        return self.model.iteration_time(lengths)
+
+    def refit(self) -> None:
+        """Fits the constants to the decode records so far (pure decode steps only)."""
+        rows = [dataclasses.asdict(r) for r in self.records
+                if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
+        self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
+        if len(rows) < FIRST_FIT // 2:
+            return
+        refitted = self._fitted(rows)
+        if relative_error(refitted, rows) < relative_error(self.model, rows):
+            self.model = refitted
+            self.num_fits += 1
+
+    def _fitted(self, rows: Sequence[Mapping[str, object]]) -> CostModel:
+        calibration = fit(rows, self.geometry, self.hardware.name, self.kernel,
+                          self.hardware.dtype_bytes)
+        return CostModel(self.geometry, self.hardware, calibration.params, self.kernel)
+
+
+def relative_error(model: CostModel, rows: Sequence[Mapping[str, object]]) -> float:
+    """The median relative error of ``model``'s step times over iteration records."""
+    errors = [abs(model.iteration_time(*record_lengths(r)) / float(r["forward_time"]) - 1)
+              for r in rows if float(r["forward_time"]) > 0]  # type: ignore[arg-type]
+    return statistics.median(errors) if errors else math.inf
+
+
+def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_size: int,
+          max_len: int, max_batch_size: int) -> list[dict[str, object]]:
+    """Times a few synthetic decode steps on ``runner`` (call it in the runner's thread,
+    before the engine serves: it writes KV into free blocks of ``kv_cache``, never block 0,
+    the padding block): a batch of short seqs, of medium ones, of long ones, one long seq
+    alone, and short seqs with one long one. Returns them as iteration records with their
+    lengths; [] when the cache is too small to probe."""
+    n = max(2, min(PROBE_BATCH, max_batch_size))
+    longest = min(PROBE_LONGEST, max_len - 2, (num_blocks - 1) // n * block_size - 1)
+    if longest < 16:
+        return []
+    short, mid = longest // 16, longest // 4
+    batches = ([short] * n, [mid] * n, [longest] * n, [longest], [short] * (n - 1) + [longest])
+    records: list[dict[str, object]] = []
+    for cached in batches:
+        items, first = [], 1
+        for i, length in enumerate(cached):
+            blocks = -(-(length + 1) // block_size)
+            items.append(WorkItem([4 + i % 16], length, list(range(first, first + blocks)),
+                                  True, 0.0, 1.0, -1, None, 0))
+            first += blocks
+        times = []
+        for _ in range(PROBE_REPEATS):
+            began = time.perf_counter()
+            runner.execute_sync(items, kv_cache)
+            times.append(time.perf_counter() - began)
+        records.append({"forward_time": min(times), "batch_size": len(cached),
+                        "num_prefill_tokens": 0, "lengths": [length + 1 for length in cached]})
+    return records

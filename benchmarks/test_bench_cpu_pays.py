@@ -1,0 +1,75 @@
+"""Issue 15, the CPU half of "when does prefix-aware batching pay?" (`pytest -m bench`, not
+CI): every policy on the same weights and requests in one run, in the bubble regime (padded
+attention pays for the batch's longest sequence) and the no-bubble regime (paged attention
+reads each sequence's own KV). Results land in benchmarks/results/ (see RESULTS.md §8).
+
+The workload is the issue's: OPT-125m geometry (random weights), bf16, 90 % prompts of
+32-256 tokens and 10 % of 512-1024 (4-8x the short mean), 128 output tokens each, offline;
+decode KV holds about `BATCH_REQUESTS` median requests, so the pool needs >= 4x it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.test_bench_engine import run_cli
+
+pytestmark = pytest.mark.bench
+
+SYSTEMS = ("aligned", "aligned-strict", "aligned-loose", "fcfs", "continuous")
+NUM_REQUESTS = int(os.environ.get("ASERVE_PAYS_REQUESTS", "64"))
+BATCH_REQUESTS = NUM_REQUESTS // 4  # decode KV: a quarter of the requests at median length
+WORKLOAD = ["--workload", "synthetic", "--short-ratio", "0.9", "--short-range", "32,256",
+            "--long-range", "512,1024", "--output-range", "128", "--length-scale", "1",
+            "--num-requests", str(NUM_REQUESTS), "--batch-requests", str(BATCH_REQUESTS),
+            "--offline", "--model", "opt-125m", "--dtype", "bfloat16",
+            "--systems", ",".join(SYSTEMS)]
+MIN_POOL_RATIO = 4.0  # the pool holds >= 4x decode KV
+BUBBLE_VS_FCFS = 1.5  # padded: aligned decode tok/s >= 1.5x fcfs
+BUBBLE_VS_CONTINUOUS = 1.3  # ... and >= 1.3x continuous
+BUBBLE_TPOT_P99 = 1.5  # ... and P99 TPOT >= 1.5x lower than fcfs
+NO_BUBBLE_FLOOR = 0.97  # paged: aligned >= 0.97x the better of fcfs and continuous
+FIG7_POINTS = "0.7,0.8,0.9,0.95"  # benchmarks/RESULTS.md §3
+
+
+def ratios(doc: dict[str, object], workload: str | None = None) -> dict[str, float]:
+    results = doc["results"]
+    assert isinstance(results, list)
+    by = {r["system"].split("/")[0]: r for r in results
+          if workload is None or r["workload"] == workload}
+    aligned = by["aligned"]
+    out = {f"vs {name}": aligned["decode_throughput"] / by[name]["decode_throughput"]
+           for name in SYSTEMS[1:]}
+    out["fcfs tpot p99 / aligned"] = by["fcfs"]["tpot_p99"] / aligned["tpot_p99"]
+    print(workload or "", {k: round(v, 3) for k, v in out.items()})
+    return out
+
+
+def test_bubble_regime_padded(tmp_path: Path) -> None:
+    doc = run_cli("issue15_padded", [*WORKLOAD, "--attention", "padded"], tmp_path)
+    assert doc["config"]["sizing"]["pool_ratio"] >= MIN_POOL_RATIO  # type: ignore[index]
+    got = ratios(doc)
+    assert got["vs fcfs"] >= BUBBLE_VS_FCFS
+    assert got["vs continuous"] >= BUBBLE_VS_CONTINUOUS
+    assert got["fcfs tpot p99 / aligned"] >= BUBBLE_TPOT_P99
+
+
+def test_no_bubble_regime_paged(tmp_path: Path) -> None:
+    doc = run_cli("issue15_paged", [*WORKLOAD, "--attention", "paged"], tmp_path)
+    got = ratios(doc)
+    assert min(got["vs fcfs"], got["vs continuous"]) >= NO_BUBBLE_FLOOR
+
+
+def test_no_bubble_regime_fig7_sweep(tmp_path: Path) -> None:
+    doc = run_cli("issue15_fig7_paged", [
+        "--workload", "synthetic", "--short-ratio", FIG7_POINTS, "--num-requests", "128",
+        "--offline", "--systems", ",".join(SYSTEMS), "--model", "opt-125m",
+        "--dtype", "bfloat16", "--attention", "paged"], tmp_path)
+    results = doc["results"]
+    assert isinstance(results, list)
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        got = ratios(doc, workload)
+        assert min(got["vs fcfs"], got["vs continuous"]) >= NO_BUBBLE_FLOOR, workload

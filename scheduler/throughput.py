@@ -1,0 +1,229 @@
+"""The default policy, `aligned`: prefix-aware batching decided by predicted decode
+throughput (the driver's step-cost model, scheduler/cost.py) instead of a fixed length rule.
+
+Where attention pays for the longest sequence of the batch (padded, a per-sequence GPU
+kernel) the cost model makes mixed lengths expensive and the policy groups them; where it
+does not (paged attention on a CPU, split-K) it keeps batches full, as fcfs would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from scheduler.aligned import AlignedStrictPolicy
+from scheduler.batching import (
+    BoundaryPlan,
+    BoundaryView,
+    SeqView,
+    by_arrival,
+    plan_admissions,
+    plan_evictions,
+)
+from scheduler.cost import mixing_pays
+from scheduler.dfs import density_first_search
+from scheduler.policy import PolicyConfig, register_policy
+from scheduler.quadtree import QuadNode
+
+NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
+WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
+
+
+@register_policy
+class AlignedPolicy(AlignedStrictPolicy):
+    """Cost-aware prefix-aware batching: DFS's candidate subtrees, refills and batch
+    switches are weighed by the step-cost model (see ``waste``)."""
+
+    name = "aligned"
+    uses_step_cost = True
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(dataclasses.replace(config, max_spread=None))
+        self._slots = 1  # the device's batch slots, learned at the first boundary
+        # the ideal per-token cost line (base, slope) and what it was probed for: the step
+        # model, its version (``num_fits``: a driver may refit it) and the slots
+        self._line: tuple[float, float] | None = None
+        self._line_key: tuple[object, ...] = ()
+        # per decision: the running seqs' waste as admissions grow them (size, waste)
+        self._running_waste: tuple[int, float] = (-1, 0.0)
+
+    def _begin(self, slots: int) -> None:
+        """A decision starts: its cost figures are taken afresh where the model changed."""
+        self._slots = max(self._slots, slots)
+        key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
+        if key != self._line_key:
+            self._line, self._line_key = None, key
+        self._running_waste = (-1, 0.0)
+
+    def ideal(self, length: float) -> float:
+        """Predicted step time per token in a full batch of seqs of one ``length``: linear
+        in the length (weights and overheads shared by ``slots`` seqs, plus the KV read),
+        so two probes of the model give it for every length."""
+        if self._line is None:
+            slots, top = self._slots, self.config.max_len
+            base = self.step_time([1] * slots) / slots
+            self._line = (base, (self.step_time([top] * slots) / slots - base) / (top - 1))
+        base, slope = self._line
+        return base + slope * (length - 1)
+
+    # -- the cost model ------------------------------------------------------------------
+    def waste(self, lengths: Sequence[int]) -> float:
+        """Predicted step time per token beyond what the same tokens cost in full batches
+        of one length each (0: no waste): padding, imbalance, and the fixed part of a step
+        left unshared by a small batch.
+
+        Raw tokens per second would always favour the shortest requests and leave the long
+        ones for later, half-empty batches; charging each token only the waste lets every
+        length be served at its own cost (``ideal``, linear in the length, so the tokens'
+        ideal cost is that of their mean length).
+        """
+        if not lengths:
+            return 0.0
+        n = len(lengths)
+        return self.step_time(lengths) / n - self.ideal(sum(lengths) / n)
+
+    def _less_waste(self, waste: float, than: float) -> bool:
+        """Whether waste ``waste`` is less than ``than``, beyond rounding."""
+        return waste < than - WASTE_TOLERANCE * self.ideal(1) * self._slots
+
+    def _lengths(self, ids: Sequence[str]) -> list[int]:
+        return [self.tree.get(i).length for i in ids]
+
+    # -- the pool ------------------------------------------------------------------------
+    def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
+        """(A starving request's subtree goes first, as ``aligned-strict``.) When the whole
+        pool fits, the whole pool, unless splitting it by length is predicted faster (then
+        the part that wastes less). Otherwise DFS, choosing among the subtrees at its first
+        fork (a node with two or more populated children) by the least ``waste`` per token
+        instead of by the request count alone; below the fork DFS descends by density."""
+        self._begin(max_requests)
+        root = self.tree.root
+        if root.num_requests == 0:
+            return []
+        if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
+            return self._whole_or_split()
+        candidates = [density_first_search(self.tree, max_blocks, min_requests, max_requests)]
+        fork = self._first_fork(root, max_blocks)
+        if fork is not None:
+            candidates += [density_first_search(self.tree, max_blocks, min_requests,
+                                                max_requests, start=child)
+                           for child in fork.children
+                           if child.num_requests and child.min_blocks <= max_blocks]
+        best: list[str] = []
+        best_waste = 0.0
+        for ids in candidates:  # density's choice first: it stands unless another wastes less
+            waste = self.waste(self._lengths(ids)) if ids else 0.0
+            if ids and (not best or self._less_waste(waste, best_waste)):
+                best, best_waste = ids, waste
+        return best
+
+    @staticmethod
+    def _first_fork(node: QuadNode, max_blocks: int) -> QuadNode | None:
+        """The first node on DFS's path with two or more children holding a request that
+        fits; None when the path reaches a leaf first."""
+        while not node.is_leaf:
+            viable = [c for c in node.children if c.num_requests and c.min_blocks <= max_blocks]
+            if len(viable) >= 2:
+                return node
+            if not viable:
+                return None
+            node = viable[0]
+        return None
+
+    def _whole_or_split(self) -> list[str]:
+        """The whole pool, or its shorter or longer part where the model predicts that
+        running the two parts apart beats one step over all (padded attention)."""
+        ordered = sorted(self.tree.root.requests(), key=lambda item: (item[0], item[1]))
+        lengths = [length for length, _, _ in ordered]
+        n = len(lengths)
+        cuts = sorted({n * k // NUM_SPLITS for k in range(1, NUM_SPLITS)} - {0, n})
+        best, best_time = n, self.step_time(lengths)
+        for cut in cuts:
+            time = self.step_time(lengths[:cut]) + self.step_time(lengths[cut:])
+            if time < best_time:
+                best, best_time = cut, time
+        if best == n:
+            return [seq_id for _, seq_id, _ in ordered]
+        short, long = ordered[:best], ordered[best:]
+        wastes = [self.waste([length for length, _, _ in part]) for part in (long, short)]
+        part = long if self._less_waste(*wastes) else short
+        return [seq_id for _, seq_id, _ in part]
+
+    # -- the boundary --------------------------------------------------------------------
+    def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
+        """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
+        room, evict the old batch's longest, then the current batch's. Otherwise:
+
+        - a candidate request joins when it does not raise the running batch's ``waste``
+          per token (a refill that raises predicted throughput for its work);
+        - the candidate batch joins the running seqs (oldest first, as room allows) when
+          one step over both is predicted no slower than a step of each
+          (``mixing_pays``). Else the running batch drains first, down to ``drain_floor``
+          of the slots; then its stragglers that would not mix go back to the pool (each
+          seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
+        """
+        self._begin(view.max_batch_size)
+        current = [s for s in view.running if s.batch_id == view.current_batch_id]
+        old = [s for s in view.running if s.batch_id != view.current_batch_id]
+        victims = [*sorted(old, key=lambda s: -s.length), *sorted(current, key=lambda s: -s.length)]
+        if (self.is_starving(view, view.candidate_requests)
+                or self.is_starving(view, view.candidate_batch)):
+            return super().plan_boundary(view)
+        evict = plan_evictions(view, victims)
+        if evict:
+            return BoundaryPlan(evict=evict)
+        requests = self._closest_first(view, current)
+        batch = by_arrival(view.candidate_batch)
+        running = [s.length for s in view.running]
+        if not batch or mixing_pays(self.step_time, running, [s.length for s in batch]):
+            return plan_admissions(view, requests, batch, is_strict=False,
+                                   accepts=self._lowers_waste)
+        plan = plan_admissions(view, requests, [], is_strict=False,
+                               accepts=self._lowers_waste)
+        if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
+            return plan
+        return self._switch_to(view, batch, unswitched=plan)
+
+    def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
+        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
+        ``lengths`` only grows within one decision (admitted seqs join it), so its waste is
+        computed once per size."""
+        if not lengths:
+            return True
+        size, waste = self._running_waste
+        if size != len(lengths):
+            waste = self.waste(lengths)
+            self._running_waste = (len(lengths), waste)
+        return not self._less_waste(waste, self.waste([*lengths, seq.length]))
+
+    def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
+                   unswitched: BoundaryPlan) -> BoundaryPlan:
+        """The old batch has drained to its stragglers: those that would not mix with the
+        candidate batch (and ``may_return``) go back to the pool,
+        then the candidate batch is admitted in the room they free. ``unswitched`` stands
+        if the candidate batch would not get in even then."""
+        lengths = [s.length for s in batch]
+        stale = [s for s in view.running
+                 if self.may_return(view, s)
+                 and not mixing_pays(self.step_time, lengths, [s.length])]
+        stale_ids = {s.seq_id for s in stale}
+        kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
+        freed = sum(s.num_blocks for s in stale)
+        after = dataclasses.replace(view, running=kept, free_blocks=view.free_blocks + freed)
+        plan = plan_admissions(after, [], batch, is_strict=False)
+        if not plan.admit_batch:
+            return unswitched
+        return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+@register_policy
+class AlignedNoPrefetchPolicy(AlignedPolicy):
+    """Ablation: the same decisions, but KV goes host -> decode directly, no prefetch."""
+
+    name = "aligned-noprefetch"
+    uses_staging = False
+    uses_dynamic_prefetch = False
+
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float) -> list[str]:
+        return []
