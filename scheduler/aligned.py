@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from scheduler.batching import (
+    MAX_RETURNS,
     BoundaryPlan,
     BoundaryView,
-    MAX_RETURNS,
     LengthRange,
     SeqView,
     by_arrival,
@@ -173,7 +173,7 @@ class AlignedStrictPolicy(Policy):
         the starvation threshold ago are never sent back.
 
         NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
-        in). On tests/aserve/test_aligned.py's pool this keeps 100 % of iterations within
+        in). On tests/cores/test_alignment.py's pool this keeps 100 % of iterations within
         1.5x, but it costs decode throughput: 0.72-0.96x fcfs on the CPU sweep, about half
         of aligned-loose's in the simulator where decode is the bottleneck. The other
         designs measured and their costs are in benchmarks/RESULTS.md section 3.

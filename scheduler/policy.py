@@ -129,7 +129,7 @@ class Policy(ABC):
 
         NOTE: the widened range grows with every request it lets in (newcomers at its edges
         widen the next window), so a batch formed early from a small pool can stay wide for
-        a whole run; the spread bound cannot grow (see tests/aserve/test_aligned.py).
+        a whole run; the spread bound cannot grow (see tests/cores/test_alignment.py).
         """
         if not lengths:
             return 0, -1

@@ -117,11 +117,12 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
 
 
 def run_on_virtual_clock(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
-                         load: Workload | None = None) -> Engine:
+                         load: Workload | None = None,
+                         aborts: dict[str, float] = ABORTS) -> Engine:
     """`run_engine` on a VirtualClockLoop: deterministic, and as fast as the events allow."""
     loop = VirtualClockLoop()
     try:
-        return loop.run_until_complete(run_engine(config, cost, sim_ctx, load))
+        return loop.run_until_complete(run_engine(config, cost, sim_ctx, load, aborts))
     finally:
         loop.close()
 

@@ -37,7 +37,7 @@ def long_request_wait(policy: str, threshold: float | None) -> tuple[float, floa
     config = engine_config(policy, starvation_threshold=threshold)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, ClusterConfig().policy_config(4096)))
-    engine = run_on_virtual_clock(config, cost, probe, stream_with_one_long())
+    engine = run_on_virtual_clock(config, cost, probe, stream_with_one_long(), aborts={})
     first = {}
     for e in engine.events:
         if e.seq_id == "long":

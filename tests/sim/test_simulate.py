@@ -11,6 +11,7 @@ import pytest
 
 from bench.metrics import request_metrics
 from bench.workloads import Workload, WorkloadRequest, synthetic
+from scheduler import POLICIES
 from sim import (
     ClusterConfig,
     CostModel,
@@ -20,7 +21,6 @@ from sim import (
     get_hardware,
     simulate,
 )
-from scheduler import POLICIES
 from sim.hardware import Hardware
 
 SYSTEMS = tuple(sorted(POLICIES))  # every registered policy
@@ -170,7 +170,7 @@ def test_cpu_copies_take_device_time() -> None:
 def _long_request_wait(system: str, threshold: float | None) -> float:
     """Simulated seconds a long request waits from the pool to its first decode step while
     groups of short requests keep arriving faster than decode drains them (the engine's
-    tests/aserve/test_aligned.py scenario, on a 15 ms step)."""
+    tests/cores/test_starvation.py scenario, on a 15 ms step)."""
     rng = random.Random(1)
     reqs = []
     for i in range(400):
