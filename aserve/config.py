@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-splitk")
+ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-lpt", "triton-splitk")
 ENV_PREFIX = "ASERVE_"
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 BACKEND_NAMES = ("paged", "padded")
+TRITON_NAMES = ("triton", "triton-lpt", "triton-splitk")  # models/triton_attention.py
 
 # NOTE: the paged decode builds a CSR pattern per layer; silence torch's one-time beta notice.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -229,11 +230,11 @@ def get_backend(name: str) -> AttentionBackend:
         return PagedBackend()
     if name == "padded":
         return PaddedBackend()
-    if name in ("triton", "triton-splitk"):
+    if name in TRITON_NAMES:
         from models.triton_attention import get_triton_backend  # lazy: triton is optional
 
         return get_triton_backend(name)
-    valid = ", ".join((*BACKEND_NAMES, "triton", "triton-splitk"))
+    valid = ", ".join((*BACKEND_NAMES, *TRITON_NAMES))
     raise ValueError(f"attention backend {name!r} is unknown; valid: {valid}")
 
 

@@ -22,7 +22,8 @@ from sim.hardware import get_hardware
 Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ATTENTION_KERNELS: dict[str, KernelKind] = {  # engine attention backend -> kernel kind
-    "paged": "split-k", "padded": "padded", "triton": "per-seq", "triton-splitk": "split-k",
+    "paged": "split-k", "padded": "padded", "triton": "per-seq", "triton-lpt": "per-seq-lpt",
+    "triton-splitk": "split-k",
 }
 GRID_DECADES = 3.0  # the balance grid spans this many decades either side of nominal
 GRID_POINTS = 121
