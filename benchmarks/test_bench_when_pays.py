@@ -112,12 +112,14 @@ def _ratio(a: object, b: object) -> str:
 
 
 def markdown(cells: list[Cell]) -> str:
-    head = ["kernel", "workload", "load", "fcfs imbalance %"] + [
+    head = ["kernel", "workload", "load", "fcfs imbalance %", "fastest"] + [
         f"{s}: tok/s (×fcfs, ×cont, P99 TPOT ×fcfs) @split" for s in SYSTEMS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         fcfs, cont = c.rows["fcfs"], c.rows["continuous"]
-        cells_ = [c.kernel, c.workload, c.load, f"{c.fcfs_imbalance_share * 100:.1f}"]
+        done = {k: float(r["tok_s"]) for k, r in c.rows.items() if r["finished"]}  # type: ignore[arg-type]
+        cells_ = [c.kernel, c.workload, c.load, f"{c.fcfs_imbalance_share * 100:.1f}",
+                  max(done, key=done.__getitem__)]
         for system in SYSTEMS:
             r = c.rows[system]
             if not r["finished"]:
