@@ -16,7 +16,7 @@ from sim.cli import main
 from sim.search import MeteredCost, best_split, run_bounded, splits_of
 
 GEOMETRY, HARDWARE = get_geometry("opt-1.3b"), get_hardware("a100")
-WORKLOAD = synthetic(60, short_ratio=0.8, rate=50.0, seed=3)
+WORKLOAD = synthetic(30, short_ratio=0.8, rate=50.0, seed=3)
 
 
 def _config_for(num_prefill: int, num_decode: int):  # type: ignore[no-untyped-def]
