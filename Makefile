@@ -27,7 +27,7 @@ serve: $(STAMP)
 		$(BIN)/aserve serve --model opt-125m
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not bench and not soak and not gpu" tests
+	$(BIN)/python -m pytest -q -x --durations=10 -m "not bench and not soak and not gpu" tests
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from scheduler import PolicyConfig
+
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-lpt", "triton-splitk")
 ENV_PREFIX = "ASERVE_"
@@ -65,39 +67,33 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
         return int(self.host_pool_gb * 2**30)
 
 
+_KNOBS = PolicyConfig()  # the policy knobs' defaults
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Which policy runs and its budgets."""
+    """Which policy runs, its budgets, and the policy's knobs. The knobs (from
+    `min_requests` on) are declared in `scheduler.PolicyConfig`: their meaning, defaults
+    and validation live there, once."""
 
     policy: str = "aligned"  # aligned | aligned-loose | aligned-noprefetch | fcfs | continuous
     max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
     max_batch_size: int = 256  # most sequences in one decode iteration
-    min_requests: int = 8  # DFS: smallest batch that saturates the decode device
-    leaf_width: int = 16  # quad-tree leaf range (tokens)
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
-    starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
-    match_slack: float = 0.25  # dynamic prefetch: widen the running batch's range by this share
-    max_spread: float | None = 1.5  # aligned: every admission keeps a batch's longest prefix
-    # within this many times its shortest (None: the paper's looser rules, = aligned-loose)
-    drain_floor: float = 0.1  # aligned: a batch switch waits for the old batch to drain to
-    # this share of max_batch_size, then returns those left to the host pool
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
+    min_requests: int = _KNOBS.min_requests
+    leaf_width: int = _KNOBS.leaf_width
+    starvation_threshold: float | None = _KNOBS.starvation_threshold
+    match_slack: float = _KNOBS.match_slack
+    max_spread: float | None = _KNOBS.max_spread
+    drain_floor: float = _KNOBS.drain_floor
 
     def __post_init__(self) -> None:
-        for name in ("max_prefill_tokens", "max_batch_size", "min_requests", "leaf_width"):
+        for name in ("max_prefill_tokens", "max_batch_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
         if not 0 < self.batch_kv_fraction <= 1:
             raise ValueError(f"batch_kv_fraction ({self.batch_kv_fraction}) must be in (0, 1]")
-        if self.starvation_threshold is not None and self.starvation_threshold <= 0:
-            raise ValueError(
-                f"starvation_threshold ({self.starvation_threshold}) must be > 0 or None"
-            )
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting ({self.max_waiting}) must be >= 1")
-        if self.max_spread is not None and self.max_spread < 1:
-            raise ValueError(f"max_spread ({self.max_spread}) must be >= 1 or None")
-        if not 0 <= self.drain_floor <= 1:
-            raise ValueError(f"drain_floor ({self.drain_floor}) must be in [0, 1]")
+        PolicyConfig.of(self, max_len=1)  # validates the knobs (the tree range comes later)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
-"""Engine: builds the actors (the engine driver of aserve/cores/), admits requests, and
-streams their outputs.
+"""Engine: builds the actors (aserve/driver.py, the engine driver of aserve/cores.py),
+admits requests, and streams their outputs. One request passes through these three files:
+admitted and streamed here, carried out by the driver's actors, decided by the cores.
 
 The embedded API: `async with Engine(config) as engine: async for out in engine.generate(...)`.
 Policy lives in scheduler/, tensors in the runner and transport/; this file wires them.
@@ -16,11 +17,6 @@ from typing import Any
 
 import torch
 
-from aserve.actors.base import Actor, EngineContext, EngineWiring
-from aserve.actors.batcher import BatcherActor
-from aserve.actors.continuous import ContinuousActor
-from aserve.actors.decode import DecodeActor
-from aserve.actors.prefill import PrefillActor
 from aserve.config import EngineConfig
 from aserve.core import (
     Request,
@@ -31,9 +27,8 @@ from aserve.core import (
     StepOutput,
 )
 from aserve.cores import Lifecycle
+from aserve.driver import Actor, EngineContext, KVSpace, build_actors
 from aserve.errors import EngineError, EngineOverloaded
-from aserve.kvspace import KVSpace
-from aserve.messages import Submit
 from aserve.runner import ModelRunner
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -99,8 +94,8 @@ class Engine:
                                            trace_limit=cfg.trace_limit),
                                  max_len)
         self.vocab_size = model_config.vocab_size
-        self.ctx.outputs.on_finish = self._on_finish
-        self._build_actors(self.ctx)
+        self.ctx.life.on_finish = self._on_finish
+        build_actors(self.ctx)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         for task in self._tasks:
             task.add_done_callback(self._on_actor_exit)
@@ -116,25 +111,12 @@ class Engine:
         error = f"actor {actor.name} died: " + actor.record_error(
             exc or EngineError("its loop returned"))
         for seq in list(self._live.values()):  # NOTE: not freed: another actor may hold them
-            self._context.outputs.finish(seq, SeqStatus.FINISHED_ERROR, error,
+            self._context.life.finish(seq, SeqStatus.FINISHED_ERROR, error,
                                          at=time.perf_counter(), release=False)
-
-    def _build_actors(self, ctx: EngineContext) -> None:
-        num_decode = len(ctx.config.decode_devices)
-        if not ctx.policy.uses_pool:
-            ctx.decode = [ContinuousActor(ctx, j) for j in range(num_decode)]
-            return
-        wiring = EngineWiring(ctx)
-        ctx.prefill = [PrefillActor(ctx, i, wiring)
-                       for i in range(len(ctx.config.prefill_devices))]
-        ctx.batcher = BatcherActor(ctx, wiring)
-        ctx.decode = [DecodeActor(ctx, j, wiring) for j in range(num_decode)]
 
     @property
     def actors(self) -> list[Actor]:
-        ctx = self._context
-        batcher = [ctx.batcher] if ctx.batcher is not None else []
-        return [*ctx.prefill, *batcher, *ctx.decode]
+        return self._context.wiring.drivers  # type: ignore[return-value]
 
     @property
     def _context(self) -> EngineContext:
@@ -213,10 +195,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests submitted whose prefill has not started.
-
-        NOTE: counted from the sequences, not the actors' queues: Submit messages still in
-        an inbox (the actor busy with a forward pass) wait too, and a burst must see them."""
+        """Requests submitted whose prefill has not started (counted from the sequences,
+        over every instance)."""
         return sum(1 for seq in self._live.values() if seq.status == SeqStatus.WAITING)
 
     def submit(self, request: Request, is_admitted: bool = False) -> asyncio.Queue[StepOutput]:
@@ -249,13 +229,11 @@ class Engine:
         queues: list[asyncio.Queue[StepOutput]] = []
         for seq in seqs:
             queues.append(asyncio.Queue())
-            ctx.outputs.queues[seq.seq_id] = queues[-1]
+            ctx.life.queues[seq.seq_id] = queues[-1]
             self._live[seq.seq_id] = seq
-            ctx.outputs.event(seq.seq_id, "arrival", seq.request.arrival_time)
+            ctx.life.event(seq.seq_id, "arrival", seq.request.arrival_time)
         seqs[0].forks = seqs[1:]
-        actors = ctx.prefill if ctx.policy.uses_pool else ctx.decode
-        target = min(actors, key=lambda a: a.core.num_waiting_tokens)  # type: ignore[attr-defined]
-        target.send(Submit(seqs[0]))
+        ctx.wiring.submit(seqs[0])
         return list(zip(seqs, queues))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -313,10 +291,8 @@ class Engine:
         ctx = self._context
         if request_id not in self._live or self._live[request_id].is_finished:
             return
-        ctx.outputs.abort(request_id, status)
-        now = ctx.now()
-        for actor in self.actors:  # idle holders end it now, the others at their next step
-            actor.core.reap(now)  # type: ignore[attr-defined]
+        ctx.life.abort(request_id, status)
+        ctx.wiring.reap(ctx.now())
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -335,23 +311,23 @@ class Engine:
 
     @property
     def events(self) -> list:  # type: ignore[type-arg]
-        return self._context.outputs.events
+        return self._context.life.events
 
     @property
     def iterations(self) -> list:  # type: ignore[type-arg]
         """Iteration records kept (the oldest are dropped past `trace_limit`)."""
-        return self._context.outputs.iterations
+        return self._context.life.iterations
 
     @property
     def prefill_iterations(self) -> list:  # type: ignore[type-arg]
         """One record per packed prefill of a prefill instance (disaggregated policies;
         `continuous` mixes its prefill into `iterations`), oldest dropped past `trace_limit`."""
-        return self._context.outputs.prefill_iterations
+        return self._context.life.prefill_iterations
 
     @property
     def num_dropped_iterations(self) -> int:
         """How many iteration records were dropped: the absolute index of iterations[0]."""
-        return self._context.outputs.num_dropped_iterations
+        return self._context.life.num_dropped_iterations
 
     @property
     def transfers(self) -> list:  # type: ignore[type-arg]

@@ -18,7 +18,8 @@ from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Knobs shared by the built-in policies."""
+    """Knobs shared by the built-in policies: their one declaration (the engine's
+    SchedulerConfig takes its defaults from here, and is validated here)."""
 
     min_requests: int = 8  # DFS: smallest batch that saturates the device (requests)
     leaf_width: int = 16  # quad-tree leaf range (tokens)
@@ -32,8 +33,9 @@ class PolicyConfig:
 
     @classmethod
     def of(cls, knobs: object, max_len: int) -> PolicyConfig:
-        """The policy knobs a driver's config carries (the engine's SchedulerConfig, the
-        simulator's ClusterConfig), read by name: one construction, one validation."""
+        """The policy knobs a config carries (the engine's SchedulerConfig, which the
+        simulator's ClusterConfig holds too), read by name: one construction, one
+        validation."""
         names = (f.name for f in dataclasses.fields(cls) if f.name != "max_len")
         return cls(max_len=max_len, **{n: getattr(knobs, n) for n in names if hasattr(knobs, n)})
 

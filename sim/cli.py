@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from aserve.config import HELP_FORMATTER, spread_arg
+from aserve.config import HELP_FORMATTER, SchedulerConfig, spread_arg
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
 from bench.report import (
     Caption,
@@ -28,7 +28,6 @@ from bench.report import (
     write_json,
 )
 from bench.workloads import Workload, load_workload
-from scheduler import PolicyConfig
 from sim.calibrate import (
     ATTENTION_KERNELS,
     DTYPE_BYTES,
@@ -49,7 +48,7 @@ from sim.search import (
 )
 from sim.validate import validate
 
-DEFAULT_SPREAD = PolicyConfig().max_spread
+ENGINE = SchedulerConfig()  # the engine's defaults
 
 PAPER_MIN_REQUESTS = 128  # the paper's example of a batch that saturates a GPU
 SPLIT_MODES = ("fixed", "best")
@@ -100,12 +99,13 @@ def _run_parser() -> argparse.ArgumentParser:
                         help=f"comma list of {', '.join(KERNELS)}")
     parser.add_argument("--calibration", default=None, help="fitted constants (JSON)")
     parser.add_argument("--min-requests", type=int, default=None,
-                        help=f"DFS min_requests; None: {PAPER_MIN_REQUESTS} on GPUs, else 8")
-    parser.add_argument("--max-batch-size", type=int, default=256,
+                        help=f"DFS min_requests; None: {PAPER_MIN_REQUESTS} on GPUs, else "
+                             f"{ENGINE.min_requests}")
+    parser.add_argument("--max-batch-size", type=int, default=ENGINE.max_batch_size,
                         help="most sequences in one decode iteration")
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048,
+    parser.add_argument("--max-prefill-tokens", type=int, default=ENGINE.max_prefill_tokens,
                         help="token budget of one prefill step")
-    parser.add_argument("--max-spread", type=spread_arg, default=DEFAULT_SPREAD,
+    parser.add_argument("--max-spread", type=spread_arg, default=ENGINE.max_spread,
                         help="aligned: the alignment bound (default %(default)s; 'off': the "
                              "paper's looser rules)")
     parser.add_argument("--split", choices=SPLIT_MODES, default="fixed",
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     params = CostParams()
     if args.calibration:
         params = load_calibration(args.calibration).params
-    min_requests = args.min_requests or (PAPER_MIN_REQUESTS if hw.is_gpu else 8)
+    min_requests = args.min_requests or (PAPER_MIN_REQUESTS if hw.is_gpu else ENGINE.min_requests)
 
     def config_for(num_prefill: int, num_decode: int) -> ClusterConfig:
         return cluster_for(hw, geometry, num_prefill, num_decode, min_requests=min_requests,

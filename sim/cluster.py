@@ -1,52 +1,62 @@
 """The simulated cluster: its topology and capacities (`ClusterConfig`), sized from
-hardware (`cluster_for`). Defaults mirror aserve.config's engine defaults.
+hardware (`cluster_for`). The policy, its budgets and knobs are the engine's own
+`SchedulerConfig` (declared and validated once, there); capacities default to the engine's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
-from aserve.config import EngineConfig
+import msgspec
+
+from aserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler import PolicyConfig, ceil_div
 from sim.cost import ModelGeometry
 from sim.hardware import Hardware
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch
+_CACHE = CacheConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """Devices and KV capacities, as an EngineConfig names them (instances per entry)."""
+    """Devices and KV capacities, as an EngineConfig names them (instances per entry; the
+    devices are simulated, so any names), and the engine's scheduler config."""
 
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
-    block_size: int = 16  # tokens per KV block
-    num_decode_blocks: int = 2048  # per decode (or colocated) instance (blocks)
-    num_prefill_blocks: int = 1024  # scratch per prefill instance (blocks)
-    num_staging_blocks: int = 1024  # candidate buffer per decode instance (blocks)
-    num_host_blocks: int = 8192  # host KV pool (blocks)
-    max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
-    max_batch_size: int = 256  # most sequences in one decode iteration
-    min_requests: int = 8  # DFS: smallest batch that saturates the decode device
-    leaf_width: int = 16  # quad-tree leaf range (tokens)
-    batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take
-    starvation_threshold: float | None = 30.0  # seconds; None switches it off
-    max_spread: float | None = 1.5  # aligned: the alignment bound (see PolicyConfig)
-    drain_floor: float = 0.1  # aligned: see PolicyConfig
+    block_size: int = _CACHE.block_size  # tokens per KV block
+    num_decode_blocks: int = _CACHE.num_decode_blocks  # per decode (or colocated) instance
+    num_prefill_blocks: int = _CACHE.num_prefill_blocks  # scratch per prefill instance
+    num_staging_blocks: int = _CACHE.num_staging_blocks  # candidate buffer per decode instance
+    num_host_blocks: int = 8192  # host KV pool (blocks; the engine sizes it in GiB)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if not self.prefill_devices or not self.decode_devices:
             raise ValueError("prefill_devices and decode_devices must name >= 1 device each")
-        for name in ("block_size", "num_decode_blocks", "num_prefill_blocks",
-                     "num_host_blocks", "max_prefill_tokens", "max_batch_size",
-                     "min_requests", "leaf_width"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
-        if self.num_staging_blocks < 0:
-            raise ValueError(f"num_staging_blocks ({self.num_staging_blocks}) must be >= 0")
-        if not 0 < self.batch_kv_fraction <= 1:
-            raise ValueError(f"batch_kv_fraction ({self.batch_kv_fraction}) must be in (0, 1]")
+        if self.num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks ({self.num_host_blocks}) must be >= 1")
+        CacheConfig(block_size=self.block_size, num_decode_blocks=self.num_decode_blocks,
+                    num_prefill_blocks=self.num_prefill_blocks,
+                    num_staging_blocks=self.num_staging_blocks)  # the engine's validation
+
+    @classmethod
+    def create(cls, **kwargs: object) -> ClusterConfig:
+        """From flat keywords, as `EngineConfig.create`: a SchedulerConfig field
+        (`min_requests=`, `starvation_threshold=`…) sets that field of `scheduler`."""
+        return cls().replace(**kwargs)
+
+    def replace(self, **kwargs: object) -> ClusterConfig:
+        """A copy with the given fields, flat scheduler keywords included (see `create`)."""
+        knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__struct_fields__}
+        unknown = set(kwargs) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown cluster option(s): {', '.join(sorted(unknown))}")
+        scheduler = kwargs.pop("scheduler", self.scheduler)
+        return replace(self, scheduler=msgspec.structs.replace(scheduler, **knobs),  # type: ignore[arg-type]
+                       **kwargs)  # type: ignore[arg-type]
 
     @property
     def colocated_devices(self) -> tuple[str, ...]:
@@ -57,19 +67,15 @@ class ClusterConfig:
     def from_engine(cls, config: EngineConfig, num_host_blocks: int) -> ClusterConfig:
         """The cluster an engine config describes (its host pool, sized in bytes there, in
         blocks here)."""
-        cache, sched = config.cache, config.scheduler
+        cache = config.cache
         return cls(prefill_devices=config.prefill_devices, decode_devices=config.decode_devices,
                    block_size=cache.block_size, num_decode_blocks=cache.num_decode_blocks,
                    num_prefill_blocks=cache.num_prefill_blocks,
                    num_staging_blocks=cache.num_staging_blocks, num_host_blocks=num_host_blocks,
-                   max_prefill_tokens=sched.max_prefill_tokens,
-                   max_batch_size=sched.max_batch_size, min_requests=sched.min_requests,
-                   leaf_width=sched.leaf_width, batch_kv_fraction=sched.batch_kv_fraction,
-                   starvation_threshold=sched.starvation_threshold,
-                   max_spread=sched.max_spread, drain_floor=sched.drain_floor)
+                   scheduler=config.scheduler)
 
     def policy_config(self, max_len: int) -> PolicyConfig:
-        return PolicyConfig.of(self, max_len)
+        return PolicyConfig.of(self.scheduler, max_len)
 
 
 def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, num_decode: int,
@@ -97,4 +103,4 @@ def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, n
         num_staging_blocks=(free_blocks - scratch) // buffers_per_device,
         num_host_blocks=int(hardware.host_memory_bytes * MEMORY_UTILIZATION // block_bytes),
     )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    return base.replace(**overrides)

@@ -1,4 +1,4 @@
-"""The simulator's driver of the scheduling cores (aserve/cores/): each instance is a thin
+"""The simulator's driver of the scheduling cores (aserve/cores.py): each instance is a thin
 shell that runs its core's forward passes for the cost model's time on a simulated device
 and its KV moves over simulated links with their queues. The decisions are the cores'.
 """
@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
-from aserve.core import SeqStatus, Sequence
+from aserve.core import SeqStatus
 from aserve.cores import (
     BatcherCore,
     BlockLedger,
@@ -21,7 +22,7 @@ from aserve.cores import (
     Move,
     Order,
     PrefillCore,
-    Window,
+    Wiring,
 )
 from scheduler import ContinuousScheduler, Policy
 from sim.cluster import ClusterConfig
@@ -42,6 +43,7 @@ class SimContext:
     devices: dict[str, Device] = field(default_factory=dict)
     links: dict[str, Link] = field(default_factory=dict)
     policy_time: float = 0.0  # real seconds spent deciding (inside the cores), not simulated
+    wiring: Wiring = field(default_factory=Wiring)
     kv: BlockLedger = field(init=False)
     life: Lifecycle = field(init=False)
 
@@ -121,30 +123,42 @@ class SimContext:
         return landed
 
 
-def fork_at_once(ctx: SimContext, forks: list[Move], landed: Callable[[Move, float], None],
-                 now: float) -> None:
-    """Lands the KV copies of samples forked from a prefill (n > 1) at once: a copy within
-    one device that the cost model does not price (simulated workloads have no n > 1)."""
-    for move in forks:
-        ctx.kv.commit(move, now, now)
-        landed(move, now)
+class Instance(SimActor):
+    """One simulated instance: its core, on its device's compute timeline."""
+
+    def __init__(self, ctx: SimContext, core: Any, device: str | None = None) -> None:
+        super().__init__(ctx.loop)
+        self.ctx, self.core = ctx, core
+        self.device = ctx.device(device) if device is not None else None
+
+    def compute(self, duration: float, then: Callback) -> None:
+        """Busy for `duration` seconds of the device (after what it already runs), then
+        `then()`."""
+        assert self.device is not None, "only instances on a device compute"
+        self.is_busy = True
+        end = self.device.run(self.loop.now, duration)[1]
+        self.loop.at(end, then)
+
+    def finish(self, step: Forward, *times: float) -> None:
+        """Hands the core the step's outputs (token 0 for every seq it samples for, no
+        logprobs) and lands the forks it returns at once: a copy within one device that
+        the cost model does not price (simulated workloads have no n > 1)."""
+        tokens = [0 if s.num_computed_tokens + n == s.num_tokens else None
+                  for s, n in zip(step.seqs, step.num_new_tokens)]
+        forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now, *times)
+        for move in forks or ():
+            self.ctx.kv.commit(move, self.loop.now, self.loop.now)
+            self.core.forked(move, self.loop.now)
 
 
-def sampled(step: Forward) -> list[int | None]:
-    """The simulator's token ids: 0 for every seq the step samples for, None elsewhere."""
-    return [0 if s.num_computed_tokens + n == s.num_tokens else None
-            for s, n in zip(step.seqs, step.num_new_tokens)]
-
-
-class PrefillInstance(SimActor):
+class PrefillInstance(Instance):
     """One prefill device: packed prefills, then offloads one by one over its PCIe link (it
     is busy until the last lands, as the engine awaits each move)."""
 
-    def __init__(self, ctx: SimContext, index: int, wiring: SimWiring) -> None:
-        super().__init__(ctx.loop)
-        self.ctx = ctx
-        self.core = PrefillCore(index, ctx.kv, ctx.life, wiring, ctx.config.max_prefill_tokens)
-        self.device = ctx.device(ctx.config.prefill_devices[index])
+    def __init__(self, ctx: SimContext, index: int) -> None:
+        super().__init__(ctx, PrefillCore(index, ctx.kv, ctx.life, ctx.wiring,
+                                          ctx.config.scheduler.max_prefill_tokens),
+                         ctx.config.prefill_devices[index])
 
     def act(self) -> None:
         if self.core.blocked:
@@ -156,19 +170,15 @@ class PrefillInstance(SimActor):
         step = self.ctx.decide(self.core.forward, self.loop.now) if self.core.can_prefill else None
         if step is not None:
             duration = self.ctx.cost.prefill_time(step.num_new_tokens)
-            self.is_busy = True
-            end = self.device.run(self.loop.now, duration)[1]
-            self.loop.at(end, partial(self._done, step, duration))
+            self.compute(duration, partial(self._done, step, duration))
 
     def _done(self, step: Forward, duration: float) -> None:
-        forks = self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
-                                 duration)
-        fork_at_once(self.ctx, forks, self.core.forked, self.loop.now)
+        self.finish(step, duration)
         self.is_busy = False
         self.act()
 
 
-class Batcher(SimActor):
+class Batcher(Instance):
     """Stages each order seq by seq over the prefill device's PCIe link, then delivers it.
 
     NOTE: orders for different instances overlap (each link queues its own copies), as in
@@ -176,12 +186,11 @@ class Batcher(SimActor):
     at paper scale would make one PCIe link the bound of the whole cluster.
     """
 
-    def __init__(self, ctx: SimContext, wiring: SimWiring) -> None:
-        super().__init__(ctx.loop)
+    def __init__(self, ctx: SimContext) -> None:
         cfg = ctx.config
-        self.ctx = ctx
-        self.core = BatcherCore(ctx.policy, ctx.kv, ctx.life, wiring, cfg.num_decode_blocks,
-                                cfg.batch_kv_fraction, cfg.max_batch_size)
+        super().__init__(ctx, BatcherCore(ctx.policy, ctx.kv, ctx.life, ctx.wiring,
+                                          cfg.num_decode_blocks, cfg.scheduler.batch_kv_fraction,
+                                          cfg.scheduler.max_batch_size))
 
     def act(self) -> None:
         while (order := self.ctx.decide(self.core.next_order, self.loop.now)) is not None:
@@ -195,16 +204,14 @@ class Batcher(SimActor):
         self.ctx.copy(move, lambda m, t: (self.core.landed(order, m, t), self._stage(order)))
 
 
-class DecodeInstance(SimActor):
+class DecodeInstance(Instance):
     """One decode device. A boundary's copies land one after another (the engine awaits
     each), then the forward runs for the cost model's time."""
 
-    def __init__(self, ctx: SimContext, index: int, wiring: SimWiring) -> None:
-        super().__init__(ctx.loop)
-        self.ctx = ctx
-        self.core = DecodeCore(index, ctx.policy, ctx.kv, ctx.life, wiring,
-                               ctx.config.max_batch_size)
-        self.device = ctx.device(ctx.config.decode_devices[index])
+    def __init__(self, ctx: SimContext, index: int) -> None:
+        super().__init__(ctx, DecodeCore(index, ctx.policy, ctx.kv, ctx.life, ctx.wiring,
+                                         ctx.config.scheduler.max_batch_size),
+                         ctx.config.decode_devices[index])
         self._missed_wake = False
 
     def wake(self) -> None:
@@ -246,13 +253,11 @@ class DecodeInstance(SimActor):
                 self.wake()
             return
         forward_time = self.ctx.cost.iteration_time(step.lengths)
-        self.is_busy = True
-        end = self.device.run(self.loop.now, forward_time)[1]
-        self.loop.at(end, partial(self._done, step, forward_time, self.loop.now - start))
+        self.compute(forward_time, partial(self._done, step, forward_time,
+                                           self.loop.now - start))
 
     def _done(self, step: Forward, forward_time: float, schedule_time: float) -> None:
-        self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
-                         forward_time, schedule_time)
+        self.finish(step, forward_time, schedule_time)
         self._resume()
 
     def _resume(self) -> None:
@@ -260,16 +265,14 @@ class DecodeInstance(SimActor):
         self.act()
 
 
-class ColocatedInstance(SimActor):
+class ColocatedInstance(Instance):
     """One device of the `continuous` baseline."""
 
     def __init__(self, ctx: SimContext, index: int) -> None:
-        super().__init__(ctx.loop)
         cfg = ctx.config
-        self.ctx = ctx
-        self.core = ColocatedCore(index, ctx.kv, ctx.life, ContinuousScheduler(
-            cfg.max_prefill_tokens, cfg.max_batch_size, cfg.block_size))
-        self.device = ctx.device(cfg.colocated_devices[index])
+        super().__init__(ctx, ColocatedCore(index, ctx.kv, ctx.life, ContinuousScheduler(
+            cfg.scheduler.max_prefill_tokens, cfg.scheduler.max_batch_size, cfg.block_size)),
+                         cfg.colocated_devices[index])
 
     def act(self) -> None:
         if self.core.is_idle:
@@ -281,56 +284,20 @@ class ColocatedInstance(SimActor):
         chunks = [(s.num_computed_tokens, n) for s, n in zip(step.seqs, step.num_new_tokens)  # type: ignore[attr-defined]
                   if s.status == SeqStatus.PREFILLING]
         forward_time = self.ctx.cost.iteration_time(decode, chunks)
-        self.is_busy = True
-        end = self.device.run(self.loop.now, forward_time)[1]
-        self.loop.at(end, partial(self._done, step, forward_time))
+        self.compute(forward_time, partial(self._done, step, forward_time))
 
     def _done(self, step: Forward, forward_time: float) -> None:
-        forks = self.core.finish(step, sampled(step), [None] * len(step.seqs), self.loop.now,
-                                 forward_time, 0.0)
-        fork_at_once(self.ctx, forks, self.core.forked, self.loop.now)
+        self.finish(step, forward_time, 0.0)
         self.is_busy = False
         self.act()
 
 
-class SimWiring:
-    """`aserve.cores.Wiring` as direct calls between simulated instances."""
-
-    def __init__(self) -> None:
-        self.prefills: list[PrefillInstance] = []
-        self.batcher: Batcher | None = None
-        self.decodes: list[DecodeInstance] = []
-
-    def _batcher(self) -> Batcher:
-        assert self.batcher is not None, "the disaggregated cluster has a batcher"
-        return self.batcher
-
-    def pooled(self, seq: Sequence) -> None:
-        self._batcher().core.add(seq)
-        self._batcher().wake()
-
-    def want_batch(self, instance: int) -> None:
-        self._batcher().core.want(instance)
-        self._batcher().wake()
-
-    def report_window(self, instance: int, window: Window) -> None:
-        self._batcher().core.report_window(instance, window)
-        self._batcher().wake()
-
-    def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
-        self.decodes[instance].core.receive(batch_id, seqs)
-        self.decodes[instance].wake()
-
-    def pool_space(self) -> None:
-        for prefill in self.prefills:
-            if prefill.core.blocked:
-                prefill.wake()
-
-    def staging_space(self, instance: int) -> None:
-        self._batcher().core.pool_changed()
-        self._batcher().wake()
-
-    def recompute(self, seq: Sequence) -> None:
-        target = min(self.prefills, key=lambda p: p.core.num_waiting_tokens)
-        target.core.submit(seq, front=True)
-        target.wake()
+def build_instances(ctx: SimContext) -> list[Instance]:
+    """The simulated instances of `ctx`'s policy, wired to one another; returns them all."""
+    cfg = ctx.config
+    if not ctx.policy.uses_pool:
+        return ctx.wiring.connect(  # type: ignore[return-value]
+            [], None, [ColocatedInstance(ctx, k) for k in range(len(cfg.colocated_devices))])
+    return ctx.wiring.connect(  # type: ignore[return-value]
+        [PrefillInstance(ctx, i) for i in range(len(cfg.prefill_devices))], Batcher(ctx),
+        [DecodeInstance(ctx, j) for j in range(len(cfg.decode_devices))])

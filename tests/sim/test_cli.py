@@ -90,8 +90,9 @@ def test_validate_reads_bench_logs_sized_as_the_harness_sizes_the_engine() -> No
     header = {"model": "opt-125m", "dtype": "bfloat16", "system": "fcfs/paged"}
     config = cluster_for_bench(header, workload)
     sizing = size_engine(workload, model_config("opt-125m"), "bfloat16", 32)
-    assert (config.num_decode_blocks, config.num_staging_blocks, config.min_requests,
-            config.max_batch_size) == (sizing.num_decode_blocks, sizing.num_staging_blocks,
-                                       sizing.min_requests, sizing.max_batch_size)
+    sched = config.scheduler
+    assert (config.num_decode_blocks, config.num_staging_blocks, sched.min_requests,
+            sched.max_batch_size) == (sizing.num_decode_blocks, sizing.num_staging_blocks,
+                                      sizing.min_requests, sizing.max_batch_size)
     assert config.num_decode_blocks != ClusterConfig().num_decode_blocks
     assert policy_of("aligned/paged") == "aligned" and policy_of("fcfs") == "fcfs"

@@ -43,7 +43,7 @@ def _workload(*reqs: tuple[str, int, int, float]) -> Workload:
 
 def _config(shared: bool = False, **kw: int) -> ClusterConfig:
     devices = (("dev",), ("dev",)) if shared else (("p0",), ("d0",))
-    return ClusterConfig(prefill_devices=devices[0], decode_devices=devices[1], **kw)  # type: ignore[arg-type]
+    return ClusterConfig.create(prefill_devices=devices[0], decode_devices=devices[1], **kw)
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
@@ -157,7 +157,8 @@ def test_cpu_copies_take_device_time() -> None:
     cost = CostModel(get_geometry("opt-tiny"), hw, params)
     block_s = cost.kv_bytes(1, 16) / 1e6  # seconds to copy one 16-token block
     workload = _workload(("a", 16, 4, 0.0), ("b", 16, 4, 0.0))
-    result = simulate(workload, "fcfs", ClusterConfig(min_requests=1, max_batch_size=2), cost)
+    config = ClusterConfig.create(min_requests=1, max_batch_size=2)
+    result = simulate(workload, "fcfs", config, cost)
     forwards = 1 + len(result.iterations)  # one packed prefill, then the decode iterations
     # each request's one block goes over the host link twice (offload, prefetch); staging
     # -> decode is a copy within the one device, at its (FAST) memory bandwidth
@@ -176,7 +177,7 @@ def _long_request_wait(system: str, threshold: float | None) -> float:
         if i == 16:  # after the first batches formed, so it cannot join them
             reqs.append(WorkloadRequest("long", 600, 8, (i // 8) * 0.04))
     config = _config(num_decode_blocks=48, min_requests=4, max_batch_size=16)
-    config = replace(config, starvation_threshold=threshold)
+    config = config.replace(starvation_threshold=threshold)
     cost = _unit_cost()
     cost = CostModel(cost.geometry, cost.hardware, replace(cost.params, step_overhead=0.015))
     result = simulate(Workload("starve", tuple(reqs)), system, config, cost)

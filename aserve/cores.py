@@ -1,0 +1,1104 @@
+"""The scheduling cores: one I/O-free state machine per kind of instance, driven by the
+asyncio engine (aserve/driver.py) and by the discrete-event simulator (sim/drivers.py) alike.
+
+A core takes the current time as an argument and returns what must happen next: forward
+passes with their batch, KV moves with source, destination and blocks, lifecycle events.
+No asyncio, no torch, no clock here: the driver owns time, devices and copies.
+
+One request's state lives here and nowhere else: its status and lifecycle events are
+written by `Lifecycle` (the one finish path), its KV blocks are counted by `BlockLedger`.
+Sections, in the order a request meets them: the data the cores hand their drivers and
+the `Wiring` between instances; `BlockLedger`; `Lifecycle`; `PrefillCore`; `BatcherCore`
+(host pool + batch generator); `DecodeCore` (the boundary rules); `ColocatedCore` (the
+`continuous` baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from sortedcontainers import SortedKeyList
+
+from aserve.core import (
+    Event,
+    EventKind,
+    IterationRecord,
+    SeqStatus,
+    Sequence,
+    StepOutput,
+    TransferRecord,
+)
+from scheduler import (
+    BoundaryPlan,
+    BoundaryView,
+    ContinuousScheduler,
+    ContinuousSeq,
+    Policy,
+    SeqView,
+    ceil_div,
+)
+from transport.blocks import BlockAllocator
+
+logger = logging.getLogger(__name__)
+LOCATIONS = ("prefill", "staging", "host", "decode")
+MATCH_STAGING_SHARE = 0.5  # at most this share of free staging goes to matching requests
+
+
+# -- base -----------------------------------------------------------------------------
+# What the cores hand their drivers: KV moves and forward passes as data, the wiring
+# between instances (one for both drivers), and the policy's view of a sequence.
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy `seq`'s KV from store `src` to store `dst` (the destination is already
+    allocated); the driver copies, then calls the core's `landed` (or `failed`)."""
+
+    seq: Sequence
+    src: str
+    dst: str
+    num_blocks: int
+    # a fork (n > 1): the parent's block ids to copy from, in the same store (`src == dst`)
+    src_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One forward pass: compute `num_new_tokens[i]` more tokens of `seqs[i]`."""
+
+    instance: str
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    start_time: float  # when the core issued it (the driver's clock)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Prefix length of each seq once the step is done (tokens)."""
+        return [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)]
+
+
+class Window(NamedTuple):
+    """A decode instance's running length window, for dynamic prefetch."""
+
+    lo: int
+    hi: int
+    max_blocks: int  # decode room the instance can accept for matching requests
+    max_requests: int
+
+
+class Driver(Protocol):
+    """What the wiring needs of an instance's driver (an asyncio actor, a simulated
+    instance): its core, and a way to wake it (it acts on the core's new state once free)."""
+
+    core: Any
+
+    def wake(self) -> None: ...
+
+
+class Wiring:
+    """How the cores of one engine (or one simulated cluster) reach one another, for both
+    drivers: each call updates the receiving core at once and wakes its driver."""
+
+    def __init__(self) -> None:
+        self.prefills: list[Driver] = []  # drivers of PrefillCores
+        self.batcher: Driver | None = None  # the BatcherCore's (disaggregated policies)
+        self.decodes: list[Driver] = []  # drivers of DecodeCores, or of ColocatedCores
+
+    @property
+    def drivers(self) -> list[Driver]:
+        batcher = [self.batcher] if self.batcher is not None else []
+        return [*self.prefills, *batcher, *self.decodes]
+
+    def _to_batcher(self, call: Callable[[Any], None]) -> None:
+        assert self.batcher is not None, "the disaggregated cluster has a batcher"
+        call(self.batcher.core)
+        self.batcher.wake()
+
+    def connect(self, prefills: list[Driver], batcher: Driver | None,
+                decodes: list[Driver]) -> list[Driver]:
+        """Takes the drivers of one engine or cluster (a colocated policy has no prefill
+        instance and no batcher) and starts them: each decode instance asks for its first
+        batch. Returns them all."""
+        self.prefills, self.batcher, self.decodes = prefills, batcher, decodes
+        if batcher is not None:
+            for decode in decodes:
+                decode.core.ask_for_batch()
+        return self.drivers
+
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        """A new request (or one to prefill again, `front` first in line) goes to the
+        entry instance with the fewest waiting tokens (prefill, or colocated)."""
+        entry = self.prefills or self.decodes
+        target = min(entry, key=lambda driver: driver.core.num_waiting_tokens)
+        target.core.submit(seq, front)
+        target.wake()
+
+    def reap(self, now: float) -> None:
+        """An abort was asked: idle holders end the request now, the others at their next
+        step (`Lifecycle.abort`)."""
+        for driver in self.drivers:
+            driver.core.reap(now)
+
+    def pooled(self, seq: Sequence) -> None:
+        """`seq`'s KV landed in the host pool: the batcher indexes it."""
+        self._to_batcher(lambda core: core.add(seq))
+
+    def want_batch(self, instance: int) -> None:
+        """Decode instance `instance`'s candidate batch buffer is empty."""
+        self._to_batcher(lambda core: core.want(instance))
+
+    def report_window(self, instance: int, window: Window) -> None:
+        """Decode instance `instance`'s running length window changed."""
+        self._to_batcher(lambda core: core.report_window(instance, window))
+
+    def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
+        """Staged seqs for decode instance `instance`: a candidate batch, or candidate
+        requests when `batch_id` < 0."""
+        self.decodes[instance].core.receive(batch_id, seqs)
+        self.decodes[instance].wake()
+
+    def pool_space(self) -> None:
+        """Host-pool blocks were freed: prefill held back by a full pool may go on."""
+        for prefill in self.prefills:
+            if prefill.core.blocked:
+                prefill.wake()
+
+    def staging_space(self, instance: int) -> None:
+        """Staging blocks of `instance` were freed: the batcher may stage more."""
+        self._to_batcher(lambda core: core.pool_changed())
+
+    def recompute(self, seq: Sequence) -> None:
+        """`seq` lost its KV (nowhere to keep it): prefill it again, first in line."""
+        self.submit(seq, front=True)
+
+
+def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
+    """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
+    its last token (the first comes from prefill), or since arrival before that."""
+    return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
+                   seq.batch_id, seq.token_times[-1] if seq.token_times else None)
+
+
+# -- kv -------------------------------------------------------------------------------
+# BlockLedger: the block tables of every KV store of one engine (or simulated cluster), by
+# store name, and the bookkeeping of a KV move (reserve, then commit or cancel).
+#
+# Integers only: the engine's KVSpace (aserve/driver.py) adds the tensors and the copies.
+
+
+class BlockLedger:
+    """`prefill{i}` scratch, `staging{j}` candidate buffers, one `host` pool, `decode{j}`
+    caches. A sequence's `location` names the store whose table holds its KV."""
+
+    def __init__(self, allocators: Mapping[str, BlockAllocator], block_size: int) -> None:
+        self.allocators = dict(allocators)
+        self.block_size = block_size
+        self.transfers: list[TransferRecord] = []  # every completed move, for research
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return ceil_div(num_tokens, self.block_size)
+
+    def free_blocks(self, name: str) -> int:
+        return self.allocators[name].num_free
+
+    def allocate(self, seq: Sequence, name: str, num_tokens: int) -> bool:
+        """Gives `seq` fresh blocks in store `name`; False (nothing changed) when full."""
+        assert not seq.location, f"{seq.seq_id} already holds KV in {seq.location}"
+        if self.allocators[name].allocate(seq.seq_id, num_tokens) is None:
+            return False
+        seq.location = name
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Extends `seq`'s table in its store to cover `num_tokens`; False when full."""
+        return self.allocators[seq.location].grow(seq.seq_id, num_tokens) is not None
+
+    def table(self, seq: Sequence) -> list[int]:
+        return self.allocators[seq.location].table(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees every block `seq` holds, wherever it is; a no-op when it holds none."""
+        if seq.location:
+            self.allocators[seq.location].free(seq.seq_id)
+            seq.location = ""
+
+    def reserve(self, seq: Sequence, dst: str) -> Move | None:
+        """Allocates room for `seq`'s KV (its `num_computed_tokens` entries) in store `dst`;
+        None (nothing changed) when `dst` is full. The source keeps the KV until `commit`."""
+        assert seq.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
+        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
+        return None if dst_ids is None else Move(seq, seq.location, dst, len(dst_ids))
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> Move | None:
+        """Gives `child` blocks in `parent`'s store for a copy of the parent's first
+        `num_tokens` KV entries (n samples of one prompt share its prefill); None (nothing
+        changed) when the store is full. The move's source ids are taken now: the driver
+        copies before anything allocates in that store again, even if the parent has
+        finished (and freed its blocks) meanwhile."""
+        assert not child.location, f"{child.seq_id} already holds KV in {child.location}"
+        allocator = self.allocators[parent.location]
+        dst_ids = allocator.allocate(child.seq_id, max(num_tokens, 1))
+        if dst_ids is None:
+            return None
+        child.location = parent.location
+        src_ids = tuple(allocator.table(parent.seq_id)[: len(dst_ids)])
+        return Move(child, parent.location, parent.location, len(dst_ids), src_ids)
+
+    def tables(self, move: Move) -> tuple[list[int], list[int]]:
+        """(source ids, destination ids) of `move`, aligned block for block."""
+        dst_ids = self.allocators[move.dst].table(move.seq.seq_id)
+        if move.src_ids is not None:
+            return list(move.src_ids), dst_ids
+        return self.allocators[move.src].table(move.seq.seq_id)[: len(dst_ids)], dst_ids
+
+    def commit(self, move: Move, start_time: float, end_time: float) -> None:
+        """The copy landed: the source blocks are freed (a fork's belong to its parent and
+        stay) and `seq` lives in `dst`."""
+        if move.src_ids is None:
+            self.allocators[move.src].free(move.seq.seq_id)
+        move.seq.location = move.dst
+        self.transfers.append(TransferRecord(move.seq.seq_id, move.src, move.dst,
+                                             move.num_blocks, start_time, end_time))
+
+    def cancel(self, move: Move) -> None:
+        """The copy failed: the destination blocks are freed, the source keeps the KV (a
+        fork then holds none)."""
+        if move.src_ids is not None:
+            self.release(move.seq)
+            return
+        self.allocators[move.dst].free(move.seq.seq_id)
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """(used, total) blocks per location kind, summed over instances."""
+        out = {loc: (0, 0) for loc in LOCATIONS}
+        for name, allocator in self.allocators.items():
+            kind = re.sub(r"\d+$", "", name)
+            used, total = out[kind]
+            out[kind] = (used + allocator.num_used, total + allocator.num_blocks)
+        return out
+
+    def blocks_used(self) -> dict[str, int]:
+        return {loc: used for loc, (used, _) in self.usage().items()}
+
+    def check_integrity(self) -> None:
+        for allocator in self.allocators.values():
+            allocator.check_integrity()
+
+
+# -- lifecycle ------------------------------------------------------------------------
+# Lifecycle: the one place a sequence's tokens, status and lifecycle events are written,
+# and the one finish path (status, event, stream, KV freed exactly once).
+#
+# Cores and drivers report here; the engine streams outputs through `queues`, the benchmark
+# and the simulator read `events` and `iterations`. Time is always passed in.
+
+
+class Lifecycle:
+    """Events, iteration records, each request's output stream, and finishing."""
+
+    def __init__(self, kv: BlockLedger | None, eos_token_id: int, record_tokens: bool = True,
+                 trace_limit: int = 1_000_000) -> None:
+        self.kv = kv  # frees a finished seq's blocks (None: the caller frees them)
+        self.eos_token_id = eos_token_id
+        self.events: list[Event] = []
+        self.iterations: list[IterationRecord] = []  # decode instances (and continuous)
+        self.prefill_iterations: list[IterationRecord] = []  # prefill instances' steps
+        self.trace_limit = trace_limit  # most events (and iterations) kept; older half dropped
+        self.num_dropped_iterations = 0  # absolute index of iterations[0]
+        self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
+        self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
+        self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
+        self.on_finish: Callable[[Sequence], None] | None = None  # the driver's bookkeeping
+        self.num_finished = 0
+
+    def event(self, seq_id: str, kind: EventKind, at: float) -> None:
+        self.events.append(Event(seq_id, kind, at))
+        if len(self.events) > self.trace_limit:  # a long-running server must not grow forever
+            del self.events[: self.trace_limit // 2]
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.iterations.append(record)
+        if len(self.iterations) > self.trace_limit:
+            half = self.trace_limit // 2
+            del self.iterations[:half]
+            self.num_dropped_iterations += half
+
+    def prefill_iteration(self, record: IterationRecord) -> None:
+        self.prefill_iterations.append(record)
+        if len(self.prefill_iterations) > self.trace_limit:
+            del self.prefill_iterations[: self.trace_limit // 2]
+
+    def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
+                     at: float) -> None:
+        """Appends one sampled token, records its event, streams it, and finishes the
+        sequence if a stop condition holds."""
+        first = seq.num_output_tokens == 0
+        seq.append_token(token_id, at, logprob if seq.sampling.logprobs else None)
+        if first:
+            self.event(seq.seq_id, "first_token", at)
+        elif self.record_tokens:
+            self.event(seq.seq_id, "token", at)
+        lp = (logprob,) if seq.sampling.logprobs and logprob is not None else ()
+        self._put(seq, StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
+        status = stop_status(seq, self.eos_token_id)
+        if status is not None:
+            self.finish(seq, status, at=at)
+
+    def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
+        """Asks for `seq_id` to end; the core that holds it finishes it at its next safe
+        point (never mid-forward or mid-copy)."""
+        self.finish_requests.setdefault(seq_id, status)
+
+    def reap(self, seqs: list[Sequence], at: float) -> list[Sequence]:
+        """Finishes the seqs an abort or stop string asked to end; returns the live ones."""
+        live = []
+        for seq in seqs:
+            status = self.finish_requests.get(seq.seq_id)
+            if status is not None:
+                self.finish(seq, status, at=at)
+            elif not seq.is_finished:
+                live.append(seq)
+        return live
+
+    def finish(self, seq: Sequence, status: SeqStatus, error: str | None = None, *,
+               at: float, release: bool = True) -> None:
+        """Marks `seq` finished, ends its stream and frees its blocks (unless `release` is
+        False: another task may still be using them)."""
+        assert status.is_finished, f"{status!r} is not a finished state"
+        if release and self.kv is not None:
+            self.kv.release(seq)
+        if seq.is_finished:
+            return
+        seq.status, seq.error = status, error
+        self.num_finished += 1
+        for child in seq.forks:  # samples that were to start from its prefill
+            self.finish(child, status, error, at=at)
+        seq.forks = []
+        self.event(seq.seq_id, "finish", at)
+        self.finish_requests.pop(seq.seq_id, None)
+        self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
+        self.queues.pop(seq.seq_id, None)
+        if self.on_finish is not None:
+            self.on_finish(seq)
+
+    def reserve(self, seq: Sequence, dst: str, *, at: float) -> Move | None:
+        """`BlockLedger.reserve`, except that a store refusing the allocation by raising
+        ends `seq` alone with an error (check `seq.is_finished` after None)."""
+        assert self.kv is not None, "reserve needs the block ledger"
+        try:
+            return self.kv.reserve(seq, dst)
+        except Exception as exc:  # a store's failure is this seq's, not the instance's
+            logger.exception("reserving %s for %s failed", dst, seq.seq_id)
+            self.finish(seq, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}", at=at)
+            return None
+
+    def fork(self, seq: Sequence, at: float) -> tuple[list[Move], list[Sequence]]:
+        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
+        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
+        recomputes to draw its own first token, and a copy of the prompt logprobs. Call
+        when the prefill step's outputs are recorded, before any of the step's first tokens
+        is appended (that may free `seq`'s blocks); the driver copies the returned moves
+        before its instance allocates again, then hands each landed fork to its core.
+
+        Returns (the forks' KV moves, each fork in `seq`'s status; the samples the store had
+        no room for, to be prefilled on their own). A store raising ends that sample alone.
+        """
+        assert self.kv is not None, "fork needs the block ledger"
+        moves: list[Move] = []
+        unforked: list[Sequence] = []
+        num_cached = seq.num_prompt_tokens - 1
+        for child in self.reap(seq.forks, at):
+            try:
+                move = self.kv.fork(seq, child, num_cached)
+            except Exception as exc:  # a store's failure is this sample's, not the instance's
+                logger.exception("forking %s from %s failed", child.seq_id, seq.seq_id)
+                self.finish(child, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
+                            at=at)
+                continue
+            if move is None:
+                unforked.append(child)
+                continue
+            child.num_computed_tokens, child.status = num_cached, seq.status
+            child.prompt_logprobs[:] = seq.prompt_logprobs
+            moves.append(move)
+        seq.forks = []
+        return moves, unforked
+
+    def fail_move(self, move: Move, error: str, *, at: float) -> None:
+        """A KV copy failed: its destination is freed and the seq alone ends with an error."""
+        if self.kv is not None:
+            self.kv.cancel(move)
+        self.finish(move.seq, SeqStatus.FINISHED_ERROR, error, at=at)
+
+    def _put(self, seq: Sequence, out: StepOutput) -> None:
+        queue = self.queues.get(seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+
+def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
+    """The finished state `seq` has reached after its newest token, if any."""
+    params = seq.sampling
+    last = seq.token_ids[-1]
+    if seq.num_output_tokens >= params.min_tokens:
+        if last in params.stop_token_ids or (last == eos_token_id and not params.ignore_eos):
+            return SeqStatus.FINISHED_STOPPED
+    if seq.num_output_tokens >= params.max_tokens:
+        return SeqStatus.FINISHED_LENGTH
+    return None
+
+
+# -- prefill --------------------------------------------------------------------------
+# PrefillCore: one prefill instance. Packs waiting prompts under a token budget into one
+# forward pass; each prefilled request's KV then goes to the host pool, in order, while the
+# pool has room (backpressure: no prefill starts while an offload waits for room).
+
+
+class PrefillCore:
+    """A waiting queue, a scratch KV store, and the prefilled seqs waiting for the pool."""
+
+    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
+                 max_prefill_tokens: int) -> None:
+        self.index, self.name = index, f"prefill{index}"
+        self.kv, self.life, self.wiring = kv, life, wiring
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.waiting)
+
+    @property
+    def can_prefill(self) -> bool:
+        return bool(self.waiting) and not self.blocked
+
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        """A new (or recompute-evicted) request; `front` puts it first in line."""
+        seq.status = SeqStatus.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def reap(self, now: float) -> None:
+        """Ends the waiting seqs an abort asked to end (they hold no KV)."""
+        self.waiting = deque(self.life.reap(list(self.waiting), now))
+
+    def forward(self, now: float) -> Forward | None:
+        """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
+        self.reap(now)
+        budget = self.max_prefill_tokens
+        batch: list[Sequence] = []
+        while self.waiting:
+            seq = self.waiting[0]
+            if batch and seq.num_tokens > budget:
+                break
+            if not self.kv.allocate(seq, self.name, seq.num_tokens):
+                break
+            batch.append(self.waiting.popleft())
+            budget -= seq.num_tokens
+        if not batch:
+            if self.waiting:  # admission control makes this a bug
+                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
+                                 "prompt does not fit the prefill KV store", at=now)
+            return None
+        for seq in batch:
+            seq.status = SeqStatus.PREFILLING
+            self.life.event(seq.seq_id, "prefill_start", now)
+        return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float) -> list[Move]:
+        """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
+        KV copies of the samples forked from these prompts (n > 1), which the driver carries
+        out before anything else, calling `forked` as each lands."""
+        lengths = tuple(step.num_new_tokens)
+        self.life.prefill_iteration(IterationRecord(
+            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
+            num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
+            forward_time=forward_time, schedule_time=0.0, is_mixed=False,
+            blocks_used=self.kv.blocks_used(), prefill_lengths=lengths))
+        forks: list[Move] = []
+        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
+            assert token_id is not None, "prefill of a whole sequence always samples"
+            seq.num_computed_tokens = seq.num_tokens
+            self.life.event(seq.seq_id, "prefill_end", now)
+            # NOTE: forks are reserved before the first token may finish `seq` and free its
+            # blocks; the driver copies them in this order, so a later fork's destination
+            # never overwrites an earlier fork's source before it is read
+            moves, unforked = self.life.fork(seq, now)
+            forks.extend(moves)
+            for child in reversed(unforked):
+                self.submit(child, front=True)
+            self.life.append_token(seq, token_id, logprob, now)
+            if not seq.is_finished:
+                self.blocked.append(seq)
+        return forks
+
+    def forked(self, move: Move, now: float) -> None:
+        """A sample's copy of its prompt's KV landed: it waits to be offloaded too."""
+        self.blocked.append(move.seq)
+
+    def fail(self, step: Forward, error: str, now: float) -> None:
+        """The forward pass failed: its seqs end with an error."""
+        for seq in step.seqs:
+            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+
+    def next_offload(self, now: float) -> Move | None:
+        """The next prefilled seq's move to the host pool; None when there is none or the
+        pool is full (then `pool_space` wakes the driver)."""
+        while self.blocked:
+            seq = self.blocked[0]
+            if not self.life.reap([seq], now):
+                self.blocked.popleft()
+                continue
+            move = self.life.reserve(seq, "host", at=now)
+            if move is None and not seq.is_finished:
+                return None
+            self.blocked.popleft()
+            if move is not None:
+                return move
+        return None
+
+    def landed(self, move: Move, now: float) -> None:
+        seq = move.seq
+        seq.status = SeqStatus.POOLED
+        self.life.event(seq.seq_id, "pooled", now)
+        self.wiring.pooled(seq)
+
+
+# -- batcher --------------------------------------------------------------------------
+# BatcherCore: the host pool (its sequences, indexed by the policy) and the batch
+# generator. Whenever a decode instance's candidate batch buffer is empty it takes the
+# policy's next batch from the pool; it also takes pool requests matching a running batch's
+# length window (dynamic prefetch). Each order is staged seq by seq into the instance's
+# staging buffer on the prefill device, then delivered. The choices are the policy's.
+
+
+@dataclass(slots=True)
+class Order:
+    """Seqs taken from the pool for one decode instance: its next candidate batch, or
+    candidate requests (batch_id < 0); staged one by one (`index`), then delivered."""
+
+    instance: int
+    batch_id: int
+    seqs: list[Sequence]
+    index: int = 0
+    moved: list[Sequence] = field(default_factory=list)
+
+
+class BatcherCore:
+    """Pooled seqs, the decode instances waiting for a batch, and their running windows."""
+
+    def __init__(self, policy: Policy, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
+                 num_decode_blocks: int, batch_kv_fraction: float,
+                 max_batch_size: int) -> None:
+        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
+        self.num_decode_blocks = num_decode_blocks
+        # NOTE: a batch's budget is a share of the decode cache, not capped by free staging:
+        # what the staging buffer cannot take stays in the host pool and is copied straight
+        # to decode when admitted, so no request is too big to batch.
+        self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
+        self.max_batch_size = max_batch_size
+        self.seqs: dict[str, Sequence] = {}
+        self.wanting: set[int] = set()
+        self.in_flight: set[int] = set()  # instances whose next batch is being staged
+        self.windows: dict[int, Window] = {}
+        self.pending: set[int] = set()  # instances whose window wants a matching pass
+        self.num_batches = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence) -> None:
+        """`seq`'s KV landed in the host pool: index it."""
+        assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
+        self.seqs[seq.seq_id] = seq
+        self.policy.add(seq_view(seq, self.kv.blocks_for(seq.num_computed_tokens)))
+        self.pool_changed()
+
+    def pool_changed(self) -> None:
+        """The pool gained requests or staging room was freed: windows may match again."""
+        if self.policy.uses_dynamic_prefetch:
+            self.pending.update(self.windows)
+
+    def reap(self, now: float) -> None:
+        """Ends the pooled seqs an abort asked to end, freeing their host blocks."""
+        ended = [s for s in self.seqs.values() if s.seq_id in self.life.finish_requests]
+        for seq in ended:
+            self._remove(seq)
+        if ended:
+            self.life.reap(ended, now)
+            self.wiring.pool_space()
+
+    def want(self, instance: int) -> None:
+        """An instance's candidate batch buffer is empty. NOTE: while its batch is being
+        staged this changes nothing; a second batch would overwrite the first."""
+        if instance not in self.in_flight:
+            self.wanting.add(instance)
+
+    def report_window(self, instance: int, window: Window) -> None:
+        self.windows[instance] = window
+        self.pending.add(instance)
+
+    def next_order(self, now: float) -> Order | None:
+        """A batch for the first waiting instance the pool can serve, else matching
+        requests for the first window that asks; None when there is nothing to do."""
+        for instance in sorted(self.wanting):
+            if not self.seqs:
+                break
+            ids = self.policy.next_batch(self.batch_blocks, self.max_batch_size, now)
+            if not ids:  # only requests above the share: give one the whole cache
+                ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
+            if ids:
+                self.wanting.discard(instance)
+                self.in_flight.add(instance)
+                self.num_batches += 1
+                return self._take(instance, self.num_batches, ids)
+        while self.pending:
+            instance = min(self.pending)
+            self.pending.discard(instance)
+            order = self._match(instance, now)
+            if order is not None:
+                return order
+        return None
+
+    def _match(self, instance: int, now: float) -> Order | None:
+        """Pool requests whose length lies in the instance's running window."""
+        window = self.windows.get(instance)
+        if window is None or not self.policy.uses_dynamic_prefetch or not self.seqs:
+            return None
+        room = int(self.kv.free_blocks(f"staging{instance}") * MATCH_STAGING_SHARE)
+        room = min(room, window.max_blocks)
+        if room <= 0 or window.max_requests <= 0:
+            return None
+        ids = self.policy.matching(window.lo, window.hi, room, window.max_requests, now)
+        if not ids:
+            return None
+        order = self._take(instance, -1, ids)
+        taken = sum(self.kv.blocks_for(s.num_computed_tokens) for s in order.seqs)
+        # this window's room is spent until the instance reports again
+        self.windows[instance] = window._replace(max_blocks=window.max_blocks - taken,
+                                                 max_requests=window.max_requests - len(ids))
+        return order
+
+    def _take(self, instance: int, batch_id: int, ids: list[str]) -> Order:
+        seqs = [self.seqs[seq_id] for seq_id in ids]
+        for seq in seqs:
+            self._remove(seq)
+            seq.instance, seq.batch_id = instance, batch_id
+        return Order(instance, batch_id, seqs)
+
+    def _remove(self, seq: Sequence) -> None:
+        del self.seqs[seq.seq_id]
+        self.policy.remove(seq.seq_id)
+
+    def next_move(self, order: Order, now: float) -> Move | None:
+        """The next prefetch (host -> staging) of `order`; None when it is all staged. A
+        seq the staging buffer cannot take stays in the host pool and is copied straight to
+        the decode device when admitted (also the `aligned-noprefetch` path)."""
+        while order.index < len(order.seqs):
+            seq = order.seqs[order.index]
+            order.index += 1
+            if self.policy.uses_staging and seq.seq_id not in self.life.finish_requests:
+                move = self.life.reserve(seq, f"staging{order.instance}", at=now)
+                if move is not None:
+                    return move
+        return None
+
+    def landed(self, order: Order, move: Move, now: float) -> None:
+        move.seq.status = SeqStatus.STAGED
+        self.life.event(move.seq.seq_id, "prefetched", now)
+        order.moved.append(move.seq)
+
+    def deliver(self, order: Order, now: float) -> None:
+        """Hands the staged order to its decode instance (aborted seqs end here)."""
+        live = self.life.reap(order.seqs, now)
+        if order.moved:
+            self.wiring.pool_space()
+        if order.batch_id >= 0:
+            self.in_flight.discard(order.instance)
+            if not live:  # none left (aborted or failed while staged): it still wants one
+                self.wanting.add(order.instance)
+                return
+        if live:
+            self.wiring.deliver(order.instance, order.batch_id, live)
+
+
+# -- decode ---------------------------------------------------------------------------
+# DecodeCore: one decode instance. At every iteration boundary it applies the policy's
+# batch-level scheduling (release, evict, return to the pool, refill from candidate
+# requests, switch batches) as KV moves; then it names the seqs of the next iteration.
+#
+# A driver runs: `boundary` -> carry out its moves (`landed` / `failed` each) -> `settled`,
+# which returns the admissions' moves once the evictions have freed their room (carry out,
+# `settled` again until it returns none) -> `forward` -> run it -> `finish`.
+
+
+class DecodeCore:
+    """The running batch and its two candidate buffers."""
+
+    def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
+                 wiring: Wiring, max_batch_size: int) -> None:
+        self.index, self.name, self.staging = index, f"decode{index}", f"staging{index}"
+        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
+        self.max_batch_size = max_batch_size
+        self.running: list[Sequence] = []
+        self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
+        self.cand_batch: list[Sequence] = []
+        self.cand_batch_id = self.current_batch_id = -1
+        self.want_sent = False
+        self.window: tuple[int, int] | None = None
+        self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
+        self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.running or self.cand_requests or self.cand_batch)
+
+    def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
+        """Staged seqs from the batcher: the next candidate batch, or candidate requests
+        when `batch_id` < 0."""
+        if batch_id < 0:
+            self.cand_requests.extend(seqs)
+            return
+        assert not self.cand_batch, f"{self.name} got a batch while holding one"
+        self.cand_batch, self.cand_batch_id = seqs, batch_id
+        self.want_sent = False
+
+    def reap(self, now: float) -> None:
+        """Ends the candidate seqs an abort asked to end (the running ones end at the next
+        boundary: a forward may be using their KV)."""
+        self.cand_requests = self.life.reap(self.cand_requests, now)
+        self.cand_batch = self.life.reap(self.cand_batch, now)
+        if not self.cand_batch:
+            self.ask_for_batch()
+
+    def ask_for_batch(self) -> None:
+        if not self.cand_batch and not self.want_sent:
+            self.want_sent = True
+            self.wiring.want_batch(self.index)
+
+    # -- the boundary ------------------------------------------------------------------
+    def boundary(self, now: float) -> list[Move]:
+        """Releases ended seqs and applies the policy's plan; returns the KV moves out of the
+        running batch (evictions, returns to the pool), in order. The admissions follow
+        from `settled`, once these moves have freed their decode blocks."""
+        self.running = self.life.reap(self.running, now)
+        self.cand_requests = self.life.reap(self.cand_requests, now)
+        self.cand_batch = self.life.reap(self.cand_batch, now)
+        plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
+        by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
+        moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
+        moves += [m for i in plan.to_pool if (m := self._to_pool(by_id[i], now))]
+        self._admissions = plan
+        return moves
+
+    def _needs_plan(self) -> bool:
+        """Whether the policy has anything to decide at this boundary.
+
+        NOTE: with both candidate buffers empty and the next step's growth fitting the free
+        blocks, every built-in policy plans nothing (scheduler.batching.plan_boundary_with);
+        skipping the call keeps long decode runs cheap and changes no decision.
+        """
+        if self.cand_requests or self.cand_batch:
+            return True
+        growth = sum(1 for s in self.running
+                     if self.kv.blocks_for(s.num_tokens) > self.kv.blocks_for(
+                         s.num_computed_tokens))
+        return growth > self.kv.free_blocks(self.name)
+
+    def view(self, now: float) -> BoundaryView:
+        def views(seqs: list[Sequence]) -> tuple:  # type: ignore[type-arg]
+            return tuple(seq_view(s, self.kv.blocks_for(s.num_computed_tokens)) for s in seqs)
+
+        return BoundaryView(
+            running=views(self.running), free_blocks=self.kv.free_blocks(self.name),
+            block_size=self.kv.block_size, max_batch_size=self.max_batch_size,
+            candidate_requests=views(self.cand_requests),
+            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
+            now=now)
+
+    def _evict(self, seq: Sequence, now: float) -> list[Move]:
+        """Running -> candidate requests buffer, else host pool, else recompute later."""
+        self.running.remove(seq)
+        self.life.event(seq.seq_id, "evicted", now)
+        move = self.life.reserve(seq, self.staging, at=now)
+        if move is None and not seq.is_finished:
+            move = self.life.reserve(seq, "host", at=now)
+        if move is not None or seq.is_finished:
+            return [] if move is None else [move]
+        self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
+        seq.num_computed_tokens = 0
+        self.wiring.recompute(seq)
+        return []
+
+    def _to_pool(self, seq: Sequence, now: float) -> Move | None:
+        """A running seq or a candidate request -> host pool, to be batched again. If the
+        pool has no room it stays where it is."""
+        if seq.location == "host":  # a candidate request that was never staged
+            self.cand_requests.remove(seq)
+            seq.status = SeqStatus.POOLED
+            self.wiring.pooled(seq)
+            return None
+        move = self.life.reserve(seq, "host", at=now)
+        if move is None and not seq.is_finished:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+            self.life.event(seq.seq_id, "evicted", now)
+        else:
+            self.cand_requests.remove(seq)
+        return move
+
+    def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
+               now: float) -> list[Move]:
+        """Candidate buffer -> decode cache (from staging over the device link, or from
+        the host pool for seqs that were never staged)."""
+        by_id = {seq.seq_id: seq for seq in buffer}
+        moves = []
+        for seq_id in seq_ids:
+            seq = by_id[seq_id]
+            move = self.life.reserve(seq, self.name, at=now)
+            if move is None and not seq.is_finished:
+                continue  # no room after all; it stays in its buffer
+            buffer.remove(seq)
+            if move is None:
+                continue
+            if seq.batch_id < 0:
+                seq.batch_id = self.current_batch_id
+            self.running.append(seq)
+            moves.append(move)
+        return moves
+
+    def landed(self, move: Move, now: float) -> None:
+        seq = move.seq
+        self._freed.add(move.src)
+        if move.dst == self.name:
+            if seq.status < SeqStatus.DECODING:
+                self.life.event(seq.seq_id, "decode_start", now)
+            seq.status = SeqStatus.DECODING
+        elif move.dst == self.staging:
+            seq.status = SeqStatus.STAGED
+            self.cand_requests.append(seq)
+        else:
+            seq.status = SeqStatus.POOLED
+            self.wiring.pooled(seq)
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        """A boundary copy failed: that seq alone ends with an error."""
+        if move.seq in self.running:
+            self.running.remove(move.seq)
+        self.life.fail_move(move, error, at=now)
+
+    def settled(self, now: float) -> list[Move]:
+        """The moves so far have landed: returns the planned admissions' moves (once), or
+        [] when the boundary is done, telling whom the freed room concerns."""
+        plan, self._admissions = self._admissions, None
+        if plan is not None:
+            if plan.admit_batch:
+                self.current_batch_id = self.cand_batch_id
+            moves = self._admit(plan.admit_requests, self.cand_requests, now)
+            moves += self._admit(plan.admit_batch, self.cand_batch, now)
+            if not self.cand_batch:
+                self.ask_for_batch()
+            if moves:
+                return moves
+        if "host" in self._freed:
+            self.wiring.pool_space()
+        if self.staging in self._freed:
+            self.wiring.staging_space(self.index)
+        self._freed.clear()
+        return []
+
+    # -- the iteration -------------------------------------------------------------------
+    def forward(self, now: float) -> Forward | list[Move]:
+        """The next iteration: every running seq whose KV can grow. If none can, evicts the
+        longest running seq (moves to carry out, then a new boundary) or, with none
+        running, returns [] (wait for the batcher)."""
+        runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
+        if not runnable:
+            if not self.running:
+                return []
+            return self._evict(max(self.running, key=lambda s: s.num_tokens), now)
+        self._report_window(runnable)
+        return Forward(self.name, runnable,
+                       [s.num_tokens - s.num_computed_tokens for s in runnable], now)
+
+    def _report_window(self, runnable: list[Sequence]) -> None:
+        """Tells the batcher the length window of pool requests that could join the running
+        batch (the policy's ``prefetch_basis`` and ``prefetch_window``) when it changes."""
+        if not self.policy.uses_dynamic_prefetch:
+            return
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        lengths = self.policy.prefetch_basis(current, [s.num_tokens for s in runnable])
+        if not lengths:
+            return
+        window = self.policy.prefetch_window(lengths)
+        if window != self.window:
+            self.window = window
+            # NOTE: room net of what the candidate requests buffer already holds: matching
+            # requests beyond what the batch can take would drain the pool into staging,
+            # and the next batch would then be chosen from what little is left there.
+            held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
+            slots = self.max_batch_size - len(self.running) - len(self.cand_requests)
+            self.wiring.report_window(self.index, Window(
+                *window, self.kv.free_blocks(self.name) - held, slots))
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> None:
+        """The iteration ran: one token per seq; finished seqs leave the batch."""
+        lengths = step.lengths
+        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
+            assert token_id is not None, "every decode item samples"
+            seq.num_computed_tokens = seq.num_tokens
+            if not seq.is_finished:
+                self.life.append_token(seq, token_id, logprob, now)
+        self.life.iteration(IterationRecord(
+            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
+            num_prefill_tokens=0, min_len=min(lengths), max_len=max(lengths),
+            forward_time=forward_time, schedule_time=schedule_time,
+            is_mixed=len({s.batch_id == self.current_batch_id for s in step.seqs}) > 1,
+            blocks_used=self.kv.blocks_used()))
+        self.running = [s for s in self.running if not s.is_finished]
+
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass failed: the running batch ends with an error; the candidate
+        buffers survive."""
+        for seq in self.running:
+            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.running = []
+
+
+# -- colocated ------------------------------------------------------------------------
+# ColocatedCore: the `continuous` baseline (vLLM / Orca): prefill and decode on one device,
+# FCFS continuous batching with chunked prefill mixed into decode iterations under a token
+# budget (ContinuousScheduler), preemption by recompute, no pool.
+
+
+def _arrival_order(seq: Sequence) -> tuple[float, str]:
+    return seq.request.arrival_time, seq.seq_id
+
+
+class ColocatedCore:
+    """A waiting queue (arrival order), a running batch, one KV cache."""
+
+    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
+                 scheduler: ContinuousScheduler) -> None:
+        self.index, self.name = index, f"decode{index}"
+        self.kv, self.life, self.scheduler = kv, life, scheduler
+        self.waiting = SortedKeyList(key=_arrival_order)
+        self.running: list[Sequence] = []
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.waiting)
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        """A new request; `front` is accepted for symmetry (the queue is in arrival order)."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.add(seq)
+
+    def reap(self, now: float) -> None:
+        """Ends the waiting seqs an abort asked to end (they hold no KV)."""
+        for seq in list(self.waiting):
+            if seq.seq_id in self.life.finish_requests:
+                self.waiting.remove(seq)
+                self.life.reap([seq], now)
+
+    def _view(self, seq: Sequence) -> ContinuousSeq:
+        num_blocks = len(self.kv.table(seq)) if seq.location else 0
+        return ContinuousSeq(seq.seq_id, seq.num_tokens, seq.num_computed_tokens, num_blocks,
+                             seq.request.arrival_time)
+
+    def forward(self, now: float) -> Forward | None:
+        """This step's work from the scheduler, with its KV blocks; None when nothing fits.
+
+        NOTE: only the first max_batch_size waiting seqs (arrival order) are shown: the
+        scheduler admits waiting seqs in that order and never more than a batch, so the
+        plan is the one it would make over the whole queue, at a fraction of the cost.
+        """
+        self.running = self.life.reap(self.running, now)
+        self.reap(now)
+        head = list(self.waiting.islice(0, self.scheduler.max_batch_size))
+        plan = self.scheduler.plan([self._view(s) for s in self.running],
+                                   [self._view(s) for s in head], self.kv.free_blocks(self.name))
+        by_id = {s.seq_id: s for s in (*self.running, *head)}
+        for seq_id in plan.preempt:
+            self._preempt(by_id[seq_id], now)
+        seqs, num_new_tokens = [], []
+        for seq_id, num_new in plan.scheduled:
+            seq = by_id[seq_id]
+            end = seq.num_computed_tokens + num_new
+            ok = (self.kv.grow(seq, end) if seq.location
+                  else self.kv.allocate(seq, self.name, end))
+            assert ok, f"scheduler over-committed blocks for {seq_id}"
+            if seq.status == SeqStatus.WAITING:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SeqStatus.PREFILLING
+                self.life.event(seq_id, "prefill_start", now)
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
+        return Forward(self.name, seqs, num_new_tokens, now) if seqs else None
+
+    def _preempt(self, seq: Sequence, now: float) -> None:
+        """Frees a running seq's KV and queues it again for recompute."""
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        self.life.event(seq.seq_id, "evicted", now)
+        self.submit(seq)
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> list[Move]:
+        """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
+        the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
+        the driver carries out before the next step, calling `forked` as each lands."""
+        lengths = step.lengths
+        num_prefill = 0
+        forks: list[Move] = []
+        for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
+                                             logprobs):
+            was_prefill = seq.status == SeqStatus.PREFILLING
+            num_prefill += n if was_prefill else 0
+            seq.num_computed_tokens += n
+            if token_id is None:
+                continue  # a prefill chunk that samples nothing yet
+            if was_prefill:
+                self.life.event(seq.seq_id, "prefill_end", now)
+                # NOTE: before the token may free `seq`'s blocks; copied in order (see
+                # PrefillCore.finish)
+                moves, unforked = self.life.fork(seq, now)
+                forks.extend(moves)
+                for child in unforked:
+                    self.submit(child)
+                seq.status = SeqStatus.DECODING
+            if not seq.is_finished:
+                self.life.append_token(seq, token_id, logprob, now)
+        self.life.iteration(IterationRecord(
+            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
+            num_prefill_tokens=num_prefill, min_len=min(lengths), max_len=max(lengths),
+            forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
+            blocks_used=self.kv.blocks_used()))
+        self.running = [s for s in self.running if not s.is_finished]
+        return forks
+
+    def forked(self, move: Move, now: float) -> None:
+        """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""
+        self.running.append(move.seq)
+
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass failed: the running batch ends with an error."""
+        for seq in self.running:
+            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.running = []
