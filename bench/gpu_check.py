@@ -34,7 +34,7 @@ from models.attention import AttentionBackend, AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTForCausalLM
 
-ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-splitk")
+ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-lpt", "triton-splitk")
 STEP_BACKENDS = ("paged", "triton", "triton-splitk")
 POLICIES = ("aligned", "fcfs", "continuous")
 BLOCK_SIZE = 16  # tokens per KV block

@@ -152,6 +152,7 @@ class TritonDecodeBackend(PagedBackend):
     """
 
     name = "triton"
+    longest_first = False  # programs in batch order (see TritonLongestFirstBackend)
 
     def forward(self, q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
                 scale: float, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
@@ -164,8 +165,6 @@ class TritonDecodeBackend(PagedBackend):
         out = empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_heads, head_dim]
         self._launch(out, q, kv_cache, layer, meta, scale * LOG2E)
         return out
-
-    longest_first = False  # issue programs in batch order
 
     def _launch(self, out: Tensor, q: Tensor, kv_cache: Tensor, layer: int,
                 meta: AttentionMetadata, scale: float) -> None:
