@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ MODEL, HARDWARE, NUM_GPUS, MAX_LEN = "opt-13b", "h100", 8, 2048  # OPT's positio
 KERNELS: tuple[KernelKind, ...] = ("per-seq", "per-seq-lpt", "split-k")
 WORKLOADS = ("synthetic", "azure-code", "azure-conv", "sharegpt4")
 WANTED = ("aligned", "aligned-strict", "aligned-loose", "fcfs", "continuous")
-SYSTEMS = tuple(s for s in WANTED if s in POLICIES)  # aligned-strict once issue 15a lands
+WANTED_TEXT = os.environ.get("ASERVE_WHEN_PAYS_SYSTEMS", ",".join(WANTED))
+SYSTEMS = tuple(s for s in WANTED_TEXT.split(",") if s in POLICIES)  # fcfs, continuous needed
 NUM_REQUESTS = int(os.environ.get("ASERVE_WHEN_PAYS_REQUESTS", "400"))
 SPLIT_TEXT = os.environ.get("ASERVE_WHEN_PAYS_SPLITS", "2+6,4+4,6+2")  # "all": every split
 TRACE_LOAD = 0.7  # untimed workloads arrive at this share of fcfs's offline req/s
@@ -102,7 +104,9 @@ def run_cell(kernel: KernelKind, name: str, load: str, rate: float | None) -> Ce
                         "tried": {f"{p}+{d}": t for (p, d), t in placement.tried.items()}}
         if system == "fcfs":
             share = placement.imbalance_share
-    return Cell(kernel, name, load, rows, share, time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    print(f"cell {kernel} / {name} / {load}: {wall:.0f} s", file=sys.stderr, flush=True)
+    return Cell(kernel, name, load, rows, share, wall)
 
 
 def _ratio(a: object, b: object) -> str:
