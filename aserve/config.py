@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from models.backends import BACKEND_NAMES as ATTENTION_BACKENDS
 from scheduler import PolicyConfig
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-lpt", "triton-splitk")
 ENV_PREFIX = "ASERVE_"
 
 

@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from models.attention import AttentionBackend, AttentionMetadata
+from models.backends import GRAPH_BACKENDS
 from models.opt import OPTForCausalLM
 from transport.blocks import PAD_BLOCK_ID
 
 logger = logging.getLogger(__name__)
-GRAPH_BACKENDS = ("triton", "triton-splitk")  # decode launches independent of the lengths
 GRAPH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # those backends' kernel dtypes
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # sequences
 MIN_WIDTH_BUCKET = 16  # blocks; block-table widths are captured at powers of two from here

@@ -24,18 +24,19 @@ from pathlib import Path
 import torch
 
 from aserve.config import EngineConfig
-from aserve.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs
+from aserve.cuda_graphs import DecodeGraphs
 from aserve.offline import run
 from bench.harness import model_config, run_engine, size_engine, workload_prompts
 from bench.metrics import Summary
 from bench.report import markdown_table, summary_row
 from bench.workloads import synthetic
 from models.attention import AttentionBackend, AttentionMetadata, get_backend
+from models.backends import BACKEND_NAMES as ATTENTION_BACKENDS
+from models.backends import GRAPH_BACKENDS, TRITON_BACKENDS
 from models.loader import load_model
 from models.opt import OPTForCausalLM
 
-ATTENTION_BACKENDS = ("paged", "padded", "triton", "triton-lpt", "triton-splitk")
-STEP_BACKENDS = ("paged", "triton", "triton-splitk")
+STEP_BACKENDS = ("paged", *TRITON_BACKENDS)
 POLICIES = ("aligned", "fcfs", "continuous")
 BLOCK_SIZE = 16  # tokens per KV block
 LONG_SHARE = 16  # skewed batches: one sequence in LONG_SHARE is long

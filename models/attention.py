@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BACKEND_NAMES = ("paged", "padded")
-TRITON_NAMES = ("triton", "triton-lpt", "triton-splitk")  # models/triton_attention.py
+from models.backends import TORCH_BACKENDS, build_backend
+
+BACKEND_NAMES = TORCH_BACKENDS  # the backends of this module (registered in models.backends)
 
 # NOTE: the paged decode builds a CSR pattern per layer; silence torch's one-time beta notice.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -225,17 +226,9 @@ class PaddedBackend(AttentionBackend):
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """Returns the backend called `name`; raises ValueError listing the valid names."""
-    if name == "paged":
-        return PagedBackend()
-    if name == "padded":
-        return PaddedBackend()
-    if name in TRITON_NAMES:
-        from models.triton_attention import get_triton_backend  # lazy: triton is optional
-
-        return get_triton_backend(name)
-    valid = ", ".join((*BACKEND_NAMES, *TRITON_NAMES))
-    raise ValueError(f"attention backend {name!r} is unknown; valid: {valid}")
+    """Returns a new backend called `name` (registered in models.backends; Triton's are
+    imported only then); raises ValueError listing the valid names."""
+    return build_backend(name)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)

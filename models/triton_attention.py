@@ -14,7 +14,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from models.attention import AttentionMetadata, PagedBackend
 
-TRITON_BACKEND_NAMES = ("triton", "triton-lpt", "triton-splitk")
 KERNEL_DTYPES = (float16, bfloat16, float32)  # other dtypes take the reference path
 TILE_TOKENS = 64  # KV positions one loop iteration of a program reads
 MIN_CHUNK_TOKENS = 256  # split-K: smallest chunk of a sequence given to one program
@@ -239,15 +238,3 @@ def _cache_strides(kv_cache: Tensor, layer: int) -> tuple[int, int, int, int]:
     `[num_blocks, num_layers, 2, block_size, num_heads, head_dim]` cache."""
     stride_block, stride_layer, stride_kv, stride_token = kv_cache.stride()[:4]
     return layer * stride_layer, stride_kv, stride_block, stride_token
-
-
-def get_triton_backend(name: str) -> TritonDecodeBackend:
-    """The Triton backend called `name` (one of TRITON_BACKEND_NAMES)."""
-    if name == "triton":
-        return TritonDecodeBackend()
-    if name == "triton-lpt":
-        return TritonLongestFirstBackend()
-    if name == "triton-splitk":
-        return TritonSplitKBackend()
-    valid = ", ".join(TRITON_BACKEND_NAMES)
-    raise ValueError(f"triton backend {name!r} is unknown; valid: {valid}")

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from models.backends import BACKENDS
 from sim.cost import KERNELS, CostModel, CostParams, Features, KernelKind, get_geometry
 from sim.hardware import get_hardware
 
 Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ATTENTION_KERNELS: dict[str, KernelKind] = {  # engine attention backend -> kernel kind
-    "paged": "split-k", "padded": "padded", "triton": "per-seq", "triton-lpt": "per-seq-lpt",
-    "triton-splitk": "split-k",
+    name: spec.kernel for name, spec in BACKENDS.items()  # type: ignore[misc]
 }
 GRID_DECADES = 3.0  # the balance grid spans this many decades either side of nominal
 GRID_POINTS = 121

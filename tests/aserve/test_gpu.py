@@ -9,6 +9,7 @@ import torch
 from aserve import SamplingParams, generate
 from aserve.cuda_graphs import DecodeGraphs, bucket_at_least, width_bucket
 from models.attention import AttentionMetadata, get_backend
+from models.backends import GRAPH_BACKENDS, TRITON_BACKENDS
 from models.loader import load_model
 from models.opt import OPTForCausalLM
 from tests.conftest import make_config, make_prompts
@@ -111,14 +112,14 @@ def test_prefill_and_oversized_steps_run_eagerly() -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "triton-splitk"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_cuda_graph_replays_match_eager_decode(backend: str) -> None:
     check_graph_replays("cuda", backend, use_graphs=True)
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["triton", "triton-lpt", "triton-splitk"])
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize(("dtype", "tolerance"), [
     (torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 80])
@@ -139,7 +140,7 @@ def test_cuda_kernels_match_paged_reference(backend: str, dtype: torch.dtype, to
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("policy", ["aligned", "continuous"])
-@pytest.mark.parametrize("backend", ["triton", "triton-lpt", "triton-splitk"])
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_engine_on_cuda_generates_what_the_cpu_engine_does(backend: str, policy: str) -> None:
     prompts = make_prompts(12, 1, 200, 512, seed=3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
