@@ -28,7 +28,7 @@ from bench.harness import (
     workload_prompts,
     write_iteration_log,
 )
-from bench.metrics import Summary, request_metrics
+from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
 from bench.workloads import WORKLOADS, Workload, load_workload
 
 PEERS = ("transformers", "transformers-cb", "vllm")  # static `generate` batches, continuous
@@ -52,6 +52,7 @@ class BenchSettings:
     url: str | None = None  # client mode: an OpenAI-compatible server
     api_key: str | None = None
     served_model: str | None = None  # model name on that server (default: its first)
+    tpot_slo: float = DEFAULT_TPOT_SLO  # goodput's TPOT target (seconds)
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,10 +62,11 @@ class WorkloadRun:
     workload: Workload
     sizing: Sizing
     results: list[RunResult]
+    tpot_slo: float = DEFAULT_TPOT_SLO  # goodput's TPOT target (seconds)
 
     @property
     def summaries(self) -> list[Summary]:
-        return [r.summary() for r in self.results]
+        return [r.summary(self.tpot_slo) for r in self.results]
 
 
 def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
@@ -90,7 +92,7 @@ def run_workload(workload: Workload, systems: Sequence[str], settings: BenchSett
     prompts = workload_prompts(workload, arch.vocab_size, settings.seed)
     results = [run_system(name, workload, prompts, sizing, settings, on_finish)
                for name in systems]
-    return WorkloadRun(workload, sizing, results)
+    return WorkloadRun(workload, sizing, results, settings.tpot_slo)
 
 
 def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: Sizing,
@@ -186,7 +188,7 @@ def machine() -> str:
 
 def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namespace,
                 settings: BenchSettings) -> None:
-    """Figs. 7 (when sweeping), 8-10, 11, 13, 14 and 15 from this run."""
+    """Figs. 7 (when sweeping), 8-10, 11, 13, 14 and 15 and the TPOT CDF from this run."""
     folder.mkdir(parents=True, exist_ok=True)
     last = runs[-1]
     caption = report.Caption(machine(), f"{settings.model} {settings.dtype} (random weights)",
@@ -197,6 +199,9 @@ def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namesp
                          {r.system: request_metrics(r.events) for r in last.results}, caption)
     report.plot_forward_time_cdf(folder / "fig13_forward_time_cdf.png",
                                  {r.system: r.iterations for r in engine}, caption)
+    report.plot_tpot_cdf(folder / "tpot_cdf.png",
+                         {r.system: request_metrics(r.events) for r in last.results}, caption,
+                         settings.tpot_slo)
     report.plot_schedule_time_cdf(folder / "fig11_schedule_time_cdf.png",
                                   {r.system: r.iterations for r in engine}, caption)
     report.plot_workload_comparison(folder / "fig8_workloads.png",
@@ -254,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="bearer token for --url")
     p.add_argument("--served-model", default=None,
                    help="model name on the --url server; None: its first")
+    p.add_argument("--tpot-slo", type=float, default=d.tpot_slo,
+                   help="goodput's per-request TPOT target in seconds (default %(default)s: "
+                        "DistServe's chatbot SLO on OPT-13B; CPU runs want a larger one)")
     p.add_argument("--json", required=True, default=argparse.SUPPRESS,
                    help="results file (.md and .iterations/ beside)")
     p.add_argument("--plots", default=None, help="folder for the PNG figures; None: no plots")
@@ -284,7 +292,7 @@ def main(argv: list[str]) -> int:
     settings = BenchSettings(model=args.model, dtype=args.dtype, seed=args.seed,
                              batch_requests=args.batch_requests, realtime=not args.offline,
                              url=args.url, api_key=args.api_key,
-                             served_model=args.served_model)
+                             served_model=args.served_model, tpot_slo=args.tpot_slo)
     try:
         systems = system_names(args.systems + ([HTTP_SYSTEM] if args.url else []),
                                args.attention)

@@ -19,7 +19,7 @@ from typing import TypeVar
 from aserve.config import EngineConfig
 from aserve.core import Event, IterationRecord, SamplingParams
 from aserve.engine import Engine
-from bench.metrics import Summary, percentile, summarize
+from bench.metrics import DEFAULT_TPOT_SLO, Summary, percentile, summarize
 from bench.workloads import Workload, WorkloadRequest
 from models.loader import DTYPES
 from models.opt import PRESETS, OPTConfig
@@ -57,8 +57,8 @@ class RunResult:
     wall_time: float  # seconds from the first submission to the last finish
     prefill_iterations: list[IterationRecord] = dataclasses.field(default_factory=list)
 
-    def summary(self) -> Summary:
-        return summarize(self.system, self.events, self.iterations)
+    def summary(self, tpot_slo: float = DEFAULT_TPOT_SLO) -> Summary:
+        return summarize(self.system, self.events, self.iterations, tpot_target=tpot_slo)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

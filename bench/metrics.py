@@ -2,6 +2,13 @@
 
 Per request: TTFT, TPOT, end-to-end. Per run: throughput, latency percentiles, goodput and
 iteration statistics. Imports no torch; nothing in the package imports it.
+
+Latency follows the paper and DistServe's harness: a request's TPOT is (last token time -
+first token time) / (n - 1) over its n output tokens, so it includes every wait between
+tokens (in the pool, in staging, behind another batch); the per-iteration latency is the
+forward time of each decode iteration. Goodput counts the requests (and their tokens) that
+meet a TPOT SLO, DEFAULT_TPOT_SLO unless the caller names one. Engine runs (bench.harness)
+and simulated runs (sim.run) are summarised by this one module.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from dataclasses import dataclass
 from aserve.core import Event, IterationRecord, TransferRecord
 
 ALIGNED_RATIO = 1.5  # an iteration is aligned when max_len / min_len <= this
+# DistServe's TPOT SLO for its chatbot on OPT-13B (0.1 s): decoding at >= 10 tokens/s, about
+# reading speed. `aserve bench --tpot-slo` and `aserve sim --tpot-slo` change it.
+DEFAULT_TPOT_SLO = 0.1  # seconds
 
 _Pred = Callable[[IterationRecord], bool]
 
@@ -32,7 +42,7 @@ class RequestMetrics:
     finish: float
     num_output_tokens: int  # the first token plus one per "token" event
     ttft: float | None  # first_token - arrival
-    tpot: float | None  # mean gap between consecutive tokens after the first
+    tpot: float | None  # (last token - first token) / (n - 1); None for n < 2
     e2e: float  # finish - arrival
     num_evictions: int  # "evicted" events: times its KV was pushed out of a decode cache
 
@@ -47,7 +57,10 @@ class Summary:
     duration: float  # first arrival -> last finish, seconds
     decode_throughput: float  # generated tokens (first token included) / duration
     request_throughput: float  # finished requests / duration
-    goodput: float  # requests meeting both targets / duration
+    tpot_slo: float  # the TPOT target of the goodput figures (seconds; inf: none)
+    goodput: float  # requests meeting the TTFT target and the TPOT SLO / duration
+    goodput_tokens: float  # output tokens of those requests / duration
+    slo_attainment: float  # share of requests meeting them
     ttft_mean: float
     ttft_p50: float
     ttft_p99: float
@@ -58,7 +71,10 @@ class Summary:
     e2e_p99: float
     mixed_iteration_share: float  # iterations that ran two batches together
     aligned_iteration_share: float  # decode iterations with max_len / min_len <= 1.5
-    forward_time_p50: float
+    iteration_latency_mean: float  # forward time of decode iterations with >= 1 sequence
+    iteration_latency_p50: float
+    iteration_latency_p99: float
+    forward_time_p50: float  # every record, idle steps included
     forward_time_p99: float
     schedule_time_p50: float
     schedule_time_p99: float
@@ -140,12 +156,12 @@ def summarize(
     events: Iterable[Event],
     iterations: Sequence[IterationRecord],
     ttft_target: float = math.inf,
-    tpot_target: float = math.inf,
+    tpot_target: float = DEFAULT_TPOT_SLO,
 ) -> Summary:
     """One benchmark row from a run's events and iteration records.
 
     Goodput counts requests with a first token, TTFT <= ttft_target and (if it has a TPOT)
-    TPOT <= tpot_target. With no targets every request with a token counts.
+    TPOT <= tpot_target; with both targets infinite every request with a token counts.
     """
     reqs = request_metrics(events)
     duration = _duration(reqs)
@@ -153,8 +169,9 @@ def summarize(
     tpots = [m.tpot for m in reqs if m.tpot is not None]
     e2es = [m.e2e for m in reqs]
     num_tokens = sum(m.num_output_tokens for m in reqs)
-    num_good = sum(1 for m in reqs if _meets(m, ttft_target, tpot_target))
+    good = [m for m in reqs if _meets(m, ttft_target, tpot_target)]
     forward = [it.forward_time for it in iterations]
+    latency = [it.forward_time for it in iterations if it.batch_size >= 1]
     schedule = [it.schedule_time for it in iterations]
     return Summary(
         system=system,
@@ -163,7 +180,10 @@ def summarize(
         duration=duration,
         decode_throughput=_rate(num_tokens, duration),
         request_throughput=_rate(len(reqs), duration),
-        goodput=_rate(num_good, duration),
+        tpot_slo=tpot_target,
+        goodput=_rate(len(good), duration),
+        goodput_tokens=_rate(sum(m.num_output_tokens for m in good), duration),
+        slo_attainment=len(good) / len(reqs) if reqs else math.nan,
         ttft_mean=mean(ttfts),
         ttft_p50=percentile(ttfts, 50),
         ttft_p99=percentile(ttfts, 99),
@@ -174,6 +194,9 @@ def summarize(
         e2e_p99=percentile(e2es, 99),
         mixed_iteration_share=_share(iterations, lambda it: it.is_mixed),
         aligned_iteration_share=aligned_share(iterations),
+        iteration_latency_mean=mean(latency),
+        iteration_latency_p50=percentile(latency, 50),
+        iteration_latency_p99=percentile(latency, 99),
         forward_time_p50=percentile(forward, 50),
         forward_time_p99=percentile(forward, 99),
         schedule_time_p50=percentile(schedule, 50),

@@ -57,28 +57,40 @@ def markdown_table(summaries: Sequence[Summary], baseline: str | None = None) ->
     """A GitHub markdown table, one row per system.
 
     With a baseline, two ratio columns give system / baseline for decode throughput and for
-    P99 TPOT (higher is better for the first, lower for the second).
+    P99 TPOT (higher is better for the first, lower for the second). The goodput headers
+    name the TPOT SLO of the first row.
 
     Raises:
         ValueError: if the baseline names no summarised system.
     """
-    header = ["system", "reqs", "decode tok/s", "req/s", "goodput req/s", "TTFT mean s",
-              "TTFT p99 s", "TPOT mean ms", "TPOT p99 ms", "e2e p99 s", "mixed %", "aligned %"]
+    slo = _slo_label(summaries)
+    header = ["system", "reqs", "decode tok/s", "req/s", f"goodput req/s ({slo})",
+              f"goodput tok/s ({slo})", "TTFT mean s", "TTFT p99 s", "TPOT mean ms",
+              "TPOT p50 ms", "TPOT p99 ms", "iter mean ms", "iter p50 ms", "iter p99 ms",
+              "e2e p99 s", "mixed %", "aligned %"]
     base = _find(summaries, baseline) if baseline is not None else None
     if base is not None:
         header += [f"decode tok/s vs {base.system}", f"TPOT p99 vs {base.system}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
         cells = [s.system, str(s.num_requests), _fmt(s.decode_throughput, 1),
-                 _fmt(s.request_throughput, 3), _fmt(s.goodput, 3), _fmt(s.ttft_mean, 3),
-                 _fmt(s.ttft_p99, 3), _fmt(s.tpot_mean * MS, 2), _fmt(s.tpot_p99 * MS, 2),
-                 _fmt(s.e2e_p99, 3), _fmt(s.mixed_iteration_share * 100, 1),
+                 _fmt(s.request_throughput, 3), _fmt(s.goodput, 3), _fmt(s.goodput_tokens, 1),
+                 _fmt(s.ttft_mean, 3), _fmt(s.ttft_p99, 3), _fmt(s.tpot_mean * MS, 2),
+                 _fmt(s.tpot_p50 * MS, 2), _fmt(s.tpot_p99 * MS, 2),
+                 _fmt(s.iteration_latency_mean * MS, 2), _fmt(s.iteration_latency_p50 * MS, 2),
+                 _fmt(s.iteration_latency_p99 * MS, 2), _fmt(s.e2e_p99, 3),
+                 _fmt(s.mixed_iteration_share * 100, 1),
                  _fmt(s.aligned_iteration_share * 100, 1)]
         if base is not None:
             cells += [_ratio(s.decode_throughput, base.decode_throughput),
                       _ratio(s.tpot_p99, base.tpot_p99)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _slo_label(summaries: Sequence[Summary]) -> str:
+    slo = summaries[0].tpot_slo if summaries else math.inf
+    return "no SLO" if math.isinf(slo) else f"TPOT ≤ {slo * MS:g} ms"
 
 
 def plot_throughput_by_short_share(
@@ -122,8 +134,10 @@ def plot_schedule_time_cdf(
 def plot_forward_time_cdf(
     path: str | Path, iterations: Mapping[str, Sequence[IterationRecord]], caption: Caption
 ) -> Figure:
-    """Fig. 13: CDF of the forward time per decode iteration, per system (ms)."""
-    series = {k: [it.forward_time * MS for it in v] for k, v in iterations.items()}
+    """Fig. 13: CDF of the per-iteration latency (forward time of each decode iteration with
+    at least one sequence), per system (ms)."""
+    series = {k: [it.forward_time * MS for it in v if it.batch_size >= 1]
+              for k, v in iterations.items()}
     return plot_cdf(path, series, "forward time per iteration (ms)", caption)
 
 
@@ -135,15 +149,29 @@ def plot_ttft_cdf(
     return plot_cdf(path, series, "TTFT (s)", caption)
 
 
-def plot_cdf(
-    path: str | Path, series: Mapping[str, Sequence[float]], xlabel: str, caption: Caption
+def plot_tpot_cdf(
+    path: str | Path, metrics: Mapping[str, Sequence[RequestMetrics]], caption: Caption,
+    tpot_slo: float | None = None,
 ) -> Figure:
-    """Empirical CDF (step plot) of each named series."""
+    """CDF of per-request TPOT (ms) per system, with the SLO as a vertical line when given."""
+    series = {k: [m.tpot * MS for m in v if m.tpot is not None] for k, v in metrics.items()}
+    slo = tpot_slo * MS if tpot_slo is not None and math.isfinite(tpot_slo) else None
+    return plot_cdf(path, series, "per-request TPOT (ms)", caption,
+                    marks={f"SLO {slo:g} ms": slo} if slo is not None else None)
+
+
+def plot_cdf(
+    path: str | Path, series: Mapping[str, Sequence[float]], xlabel: str, caption: Caption,
+    marks: Mapping[str, float] | None = None,
+) -> Figure:
+    """Empirical CDF (step plot) of each named series; `marks` adds labelled vertical lines."""
     fig, ax = _figure()
     for name, values in series.items():
         xs = sorted(values)
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         ax.step(xs, ys, where="post", label=name)
+    for label, x in (marks or {}).items():
+        ax.axvline(x, color="0.4", linestyle="--", label=label)
     ax.set(xlabel=xlabel, ylabel="CDF", ylim=(0, 1.02))
     return _save(fig, path, caption, legend=True)
 

@@ -30,6 +30,10 @@ BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec("padded", "models.attention:PaddedBackend", "padded"),
     BackendSpec("triton", "models.triton_attention:TritonDecodeBackend", "per-seq",
                 triton=True, graphs=True),
+    # Longest-first issue order; the argsort of the lengths is not yet checked under CUDA
+    # graph capture (no GPU was lent), so it runs eagerly.
+    BackendSpec("triton-lpt", "models.triton_attention:TritonLongestFirstBackend",
+                "per-seq-lpt", triton=True),
     BackendSpec("triton-splitk", "models.triton_attention:TritonSplitKBackend", "split-k",
                 triton=True, graphs=True),
 )}

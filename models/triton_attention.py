@@ -1,4 +1,5 @@
-"""Triton decode attention over the paged KV cache: per-sequence and split-K (flash-decoding).
+"""Triton decode attention over the paged KV cache: per-sequence (in batch order or
+longest-first) and split-K (flash-decoding).
 
 Decode steps (one query per sequence) run a Triton kernel; prefill and mixed steps, and tensors
 on a device Triton cannot launch on, fall back to the `paged` reference backend. Knows tensors only.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from torch import Tensor, bfloat16, empty, float16, float32
+from torch import Tensor, argsort, bfloat16, empty, float16, float32
 from triton.runtime.interpreter import InterpretedFunction
 
 from models.attention import AttentionMetadata, PagedBackend
@@ -51,14 +52,26 @@ def _attend_range(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _decode_kernel(  # type: ignore[no-untyped-def]
-        out_ptr, q_ptr, kv_ptr, tables_ptr, seq_lens_ptr, scale,
+        out_ptr, q_ptr, kv_ptr, tables_ptr, seq_lens_ptr, order_ptr, scale,
         stride_qs, stride_qh, stride_os, stride_oh, stride_table,
         layer_offset, v_offset, stride_block, stride_token,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
-    """One program per (sequence, head) walks all of that sequence's blocks (unbalanced)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        NUM_HEADS: tl.constexpr, LPT: tl.constexpr):
+    """One program per (sequence, head) walks all of that sequence's blocks (unbalanced).
+
+    Batch order: a (num_seqs, num_heads) grid, program (seq, head). LPT: a 1-D grid whose
+    program i takes the (i // NUM_HEADS)-th longest sequence (`order_ptr`, a permutation)
+    and head i % NUM_HEADS, so programs are issued longest-first; each writes its own row,
+    so the output is in batch order either way.
+    """
+    if LPT:
+        rank = tl.program_id(0) // NUM_HEADS
+        head = tl.program_id(0) % NUM_HEADS
+        seq = tl.load(order_ptr + rank)
+    else:
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -138,6 +151,7 @@ class TritonDecodeBackend(PagedBackend):
     """
 
     name = "triton"
+    longest_first = False  # programs in batch order (see TritonLongestFirstBackend)
 
     def forward(self, q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
                 scale: float, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
@@ -154,12 +168,29 @@ class TritonDecodeBackend(PagedBackend):
     def _launch(self, out: Tensor, q: Tensor, kv_cache: Tensor, layer: int,
                 meta: AttentionMetadata, scale: float) -> None:
         num_seqs, num_heads, head_dim = q.shape
-        _decode_kernel[(num_seqs, num_heads)](
-            out, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+        if self.longest_first:
+            grid: tuple[int, ...] = (num_seqs * num_heads,)
+            order = argsort(meta.seq_lens, descending=True, stable=True)
+        else:
+            grid, order = (num_seqs, num_heads), meta.seq_lens  # order: unread placeholder
+        _decode_kernel[grid](
+            out, q, kv_cache, meta.block_tables, meta.seq_lens, order, scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             *_cache_strides(kv_cache, layer),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_SIZE=kv_cache.shape[3], TILE=TILE_TOKENS)
+            BLOCK_SIZE=kv_cache.shape[3], TILE=TILE_TOKENS, NUM_HEADS=num_heads,
+            LPT=self.longest_first)
+
+
+class TritonLongestFirstBackend(TritonDecodeBackend):
+    """`triton-lpt`: the per-sequence kernel with its programs issued longest-first
+    (longest-processing-time order), so a long sequence starts at once instead of after
+    the short ones queued before it. The GPU's block scheduler still decides when each
+    program runs; the order is the only change, and every output is the same bits.
+    """
+
+    name = "triton-lpt"
+    longest_first = True
 
 
 class TritonSplitKBackend(TritonDecodeBackend):

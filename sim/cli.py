@@ -2,7 +2,7 @@
 
     aserve sim [run] --workload azure-code --model opt-13b --hardware h100 --prefill 2
         --decode 6 --systems aligned,fcfs,continuous --kernel per-seq,split-k --json OUT
-        --plots DIR [--calibration FILE] [--num-requests N]
+        --plots DIR [--calibration FILE] [--num-requests N] [--split best [--gpus 8]]
     aserve sim calibrate RECORDS.jsonl --out FILE [--model M --hardware H --kernel K]
     aserve sim validate --records RECORDS.jsonl --measured BENCH.json --workload ...
 """
@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from aserve.config import HELP_FORMATTER, SchedulerConfig, spread_arg
-from bench.metrics import Summary, request_metrics
+from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
 from bench.report import (
     Caption,
     markdown_table,
     plot_forward_time_cdf,
+    plot_tpot_cdf,
     plot_ttft_cdf,
     plot_workload_comparison,
     write_json,
@@ -37,12 +39,19 @@ from sim.calibrate import (
 from sim.cluster import ClusterConfig, cluster_for
 from sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
 from sim.hardware import get_hardware
-from sim.run import SimResult, simulate
+from sim.search import (
+    DEFAULT_HORIZON,
+    DEFAULT_MAX_EVENTS,
+    Placement,
+    best_split,
+    splits_of,
+)
 from sim.validate import validate
 
 ENGINE = SchedulerConfig()  # the engine's defaults
 
 PAPER_MIN_REQUESTS = 128  # the paper's example of a batch that saturates a GPU
+SPLIT_MODES = ("fixed", "best")
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +108,22 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-spread", type=spread_arg, default=ENGINE.max_spread,
                         help="aligned: the alignment bound (default %(default)s; 'off': the "
                              "paper's looser rules)")
+    parser.add_argument("--split", choices=SPLIT_MODES, default="fixed",
+                        help="fixed: the --prefill/--decode split for every system; best: "
+                             "each pool-based system at the split of --gpus with the "
+                             "highest decode throughput (DistServe's placement search), "
+                             "continuous on all of them (default %(default)s)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="--split best: devices to split; None: --prefill + --decode")
+    parser.add_argument("--tpot-slo", type=float, default=DEFAULT_TPOT_SLO,
+                        help="goodput's per-request TPOT target in seconds (default "
+                             "%(default)s: DistServe's chatbot SLO on OPT-13B)")
+    parser.add_argument("--horizon", type=float, default=DEFAULT_HORIZON,
+                        help="cut a run off this many simulated seconds after the last "
+                             "arrival and report it as CUT OFF (default %(default)s)")
+    parser.add_argument("--max-events", type=int, default=DEFAULT_MAX_EVENTS,
+                        help="cut a run off after this many simulator events, so a livelock "
+                             "is a reported failure, not a hang (default %(default)s)")
     parser.add_argument("--json", default=None, help="write results here; None: print only")
     parser.add_argument("--plots", default=None,
                         help="write figures into this folder; None: no figures")
@@ -120,46 +145,72 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration:
         params = load_calibration(args.calibration).params
     min_requests = args.min_requests or (PAPER_MIN_REQUESTS if hw.is_gpu else ENGINE.min_requests)
-    config = cluster_for(hw, geometry, args.prefill, args.decode, min_requests=min_requests,
-                         max_batch_size=args.max_batch_size,
-                         max_prefill_tokens=args.max_prefill_tokens, max_spread=args.max_spread)
+
+    def config_for(num_prefill: int, num_decode: int) -> ClusterConfig:
+        return cluster_for(hw, geometry, num_prefill, num_decode, min_requests=min_requests,
+                           max_batch_size=args.max_batch_size,
+                           max_prefill_tokens=args.max_prefill_tokens,
+                           max_spread=args.max_spread)
+
+    splits = [(args.prefill, args.decode)]
+    if args.split == "best":
+        splits = splits_of(args.gpus or args.prefill + args.decode)
+    config = config_for(*splits[0])  # also checks that the weights fit
     workload = build_workload(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     kernels = _kernels(args.kernel)
-    print(f"# {workload.name}: {workload.num_requests} requests, {args.model} on "
-          f"{args.prefill}+{args.decode} x {hw.name} (continuous: "
-          f"{len(config.colocated_devices)} colocated)\n")
-    results: dict[str, list[SimResult]] = {}
+    where = (f"{args.prefill}+{args.decode}" if args.split == "fixed"
+             else f"each at its best split of {splits[0][0] + splits[0][1]}")
+    print(f"# {workload.name}: {workload.num_requests} requests, {args.model} on {where} x "
+          f"{hw.name} (continuous: {len(config.colocated_devices)} colocated)\n")
+    results: dict[str, list[Placement]] = {}
     for kernel in kernels:
         cost = CostModel(geometry, hw, params, kernel)
-        results[kernel] = [_simulate_one(workload, system, config, cost) for system in systems]
-    summaries = {k: [_labelled(r, k, len(kernels)) for r in rs] for k, rs in results.items()}
+        results[kernel] = [_place(workload, system, splits, config_for, cost, args)
+                           for system in systems]
+    summaries = {k: [_labelled(p, k, len(kernels), args) for p in ps]
+                 for k, ps in results.items()}
     for name, rows in summaries.items():
         base = next((s.system for s in rows if s.system.startswith("fcfs")), None)
         print(f"## kernel: {name}\n\n{markdown_table(rows, baseline=base)}")
         print(ratio_lines(rows))
     flat = [s for rows in summaries.values() for s in rows]
     if args.json:
-        write_json(args.json, {**vars(args), "cluster": repr(config), "params": repr(params)},
-                   flat)
+        write_json(args.json, {**vars(args), "cluster": repr(config), "params": repr(params),
+                               "placements": {s.system: _placement_json(p) for k, ps in
+                                              results.items() for p, s in
+                                              zip(ps, summaries[k])}}, flat)
     if args.plots:
         _plots(Path(args.plots), results, summaries, workload, args)
     return 0
 
 
-def _simulate_one(workload: Workload, system: str, config: ClusterConfig,
-                  cost: CostModel) -> SimResult:
-    result = simulate(workload, system, config, cost)
-    print(f"  simulated {system:20s} [{cost.kernel}]: {result.wall_time:6.1f} s wall "
+def _place(workload: Workload, system: str, splits: list[tuple[int, int]],
+           config_for: Callable[[int, int], ClusterConfig], cost: CostModel,
+           args: argparse.Namespace) -> Placement:
+    placement = best_split(workload, system, splits, config_for, cost, args.horizon,
+                           args.max_events)
+    result = placement.result
+    tried = ", ".join(f"{p}+{d}: {t:.0f}" for (p, d), t in placement.tried.items()
+                      if p) if len(placement.tried) > 1 else ""
+    print(f"  simulated {placement.label:24s} [{cost.kernel}]: {result.wall_time:6.1f} s wall "
           f"({result.policy_time:.1f} s in policy), {result.num_finished}/"
-          f"{result.num_requests} finished, {result.end_time:.1f} s simulated")
-    return result
+          f"{result.num_requests} finished, {result.end_time:.1f} s simulated, "
+          f"{result.num_loop_events} events" + (f"; tok/s by split {tried}" if tried else ""))
+    return placement
 
 
-def _labelled(result: SimResult, kernel: str, num_kernels: int) -> Summary:
-    summary = result.summary()
-    return replace(summary, system=f"{summary.system} [{kernel}]") if num_kernels > 1 \
-        else summary
+def _placement_json(placement: Placement) -> dict[str, object]:
+    return {"split": list(placement.split), "finished": placement.finished,
+            "imbalance_share": placement.imbalance_share,
+            "tried": {f"{p}+{d}": t for (p, d), t in placement.tried.items()}}
+
+
+def _labelled(placement: Placement, kernel: str, num_kernels: int,
+              args: argparse.Namespace) -> Summary:
+    summary = placement.summary(args.tpot_slo)
+    name = placement.label if args.split == "best" or not placement.finished else summary.system
+    return replace(summary, system=f"{name} [{kernel}]" if num_kernels > 1 else name)
 
 
 def ratio_lines(rows: list[Summary]) -> str:
@@ -177,7 +228,7 @@ def ratio_lines(rows: list[Summary]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(folder: Path, results: dict[str, list[SimResult]],
+def _plots(folder: Path, results: dict[str, list[Placement]],
            summaries: dict[str, list[Summary]], workload: Workload,
            args: argparse.Namespace) -> None:
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,11 +237,12 @@ def _plots(folder: Path, results: dict[str, list[SimResult]],
                       scale=f"{workload.name}, {workload.num_requests} requests")
     plot_workload_comparison(folder / "throughput_tpot.png", {workload.name: [
         s for rows in summaries.values() for s in rows]}, caption)
-    named = {f"{r.system} [{k}]": r for k, rs in results.items() for r in rs}
+    named = {s.system: p.result for k, ps in results.items() for p, s in zip(ps, summaries[k])}
     plot_forward_time_cdf(folder / "forward_time_cdf.png",
                           {n: r.iterations for n, r in named.items()}, caption)
-    plot_ttft_cdf(folder / "ttft_cdf.png",
-                  {n: request_metrics(r.events) for n, r in named.items()}, caption)
+    metrics = {n: request_metrics(r.events) for n, r in named.items()}
+    plot_ttft_cdf(folder / "ttft_cdf.png", metrics, caption)
+    plot_tpot_cdf(folder / "tpot_cdf.png", metrics, caption, args.tpot_slo)
 
 
 def calibrate_main(argv: list[str]) -> int:

@@ -14,8 +14,8 @@ from typing import Literal, NamedTuple
 
 from sim.hardware import Hardware
 
-KernelKind = Literal["split-k", "per-seq", "padded"]
-KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "padded")
+KernelKind = Literal["split-k", "per-seq", "per-seq-lpt", "padded"]
+KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "per-seq-lpt", "padded")
 NUM_POSITIONS = 2050  # OPT's learned position table (2048 + its offset of 2)
 
 
@@ -163,19 +163,17 @@ class CostModel:
 
         `split-k` balances work over the SMs (0). `padded` reads every seq to the longest.
         `per-seq` gives each (seq, head) one SM; tasks run in waves of num_sms in batch
-        order and each wave lasts as long as its longest sequence.
+        order and each wave lasts as long as its longest sequence. `per-seq-lpt` is the same
+        kernel with the sequences issued longest-first (see `wave_tokens`).
         """
         if not lengths or self.kernel == "split-k":
             return 0.0
         if self.kernel == "padded":
             return float(len(lengths) * max(lengths) - sum(lengths)) * self.kv_bytes_per_token
         heads, slots = self.geometry.num_heads, self.hardware.num_sms
-        num_tasks = len(lengths) * heads
-        wave_max = 0
-        for first in range(0, num_tasks, slots):
-            last = min(first + slots, num_tasks) - 1
-            wave_max += max(lengths[first // heads : last // heads + 1])
-        return float(slots * wave_max - heads * sum(lengths)) * self._head_bytes
+        order = sorted(lengths, reverse=True) if self.kernel == "per-seq-lpt" else lengths
+        return float(slots * wave_tokens(order, heads, slots)
+                     - heads * sum(lengths)) * self._head_bytes
 
     def time_of(self, f: Features) -> float:
         """Seconds for an iteration with features `f`."""
@@ -196,3 +194,22 @@ class CostModel:
     def kv_bytes(self, num_blocks: int, block_size: int) -> float:
         """Bytes of `num_blocks` KV blocks (whole blocks move)."""
         return float(num_blocks * block_size * self.kv_bytes_per_token)
+
+
+def wave_tokens(lengths: Sequence[int], heads: int, slots: int) -> int:
+    """The per-seq kernel's wave model: tokens on the critical path of one layer's attention.
+
+    Task i is (sequence i // heads, head i % heads), issued in this order; `slots` tasks
+    (one per SM) run together as a wave, and a wave lasts as long as its longest sequence.
+    What it assumes: one resident program per SM, and a barrier between waves (no SM starts
+    a task of the next wave early). A GPU's block scheduler starts the next program as soon
+    as any SM frees up (list scheduling), so the model is an upper bound whose error is
+    largest in batch order; sorting longest-first makes each wave's tasks about equally
+    long, where both schedules agree.
+    """
+    num_tasks = len(lengths) * heads
+    total = 0
+    for first in range(0, num_tasks, slots):
+        last = min(first + slots, num_tasks) - 1
+        total += max(lengths[first // heads : last // heads + 1])
+    return total

@@ -34,11 +34,11 @@ class EventLoop:
         self.at(self.now, callback)
 
     def run(self, until: float = float("inf"), max_events: int | None = None) -> None:
-        """Runs callbacks in order until the heap is empty or the next is after `until`, or
-        `max_events` callbacks have run in all (a guard for liveness checks)."""
+        """Runs callbacks in order until the heap is empty, the next is after `until`, or
+        `max_events` callbacks have run in all (None: no cap)."""
         heap = self._heap
-        limit = float("inf") if max_events is None else max_events
-        while heap and heap[0][0] <= until and self.num_events < limit:
+        cap = float("inf") if max_events is None else max_events
+        while heap and heap[0][0] <= until and self.num_events < cap:
             time, _, callback = heapq.heappop(heap)
             self.now = time
             self.num_events += 1

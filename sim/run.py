@@ -12,7 +12,7 @@ from functools import partial
 
 from aserve.core import Event, IterationRecord, Request, SamplingParams, TransferRecord
 from aserve.core import Sequence as SeqState
-from bench.metrics import Summary, summarize
+from bench.metrics import DEFAULT_TPOT_SLO, Summary, summarize
 from bench.workloads import Workload
 from scheduler import ceil_div, get_policy, tree_range
 from sim.cluster import ClusterConfig
@@ -39,7 +39,8 @@ class SimResult:
     blocks_left: dict[str, int] = field(default_factory=dict)  # in use at the end, per kind
     transfers: list[TransferRecord] = field(default_factory=list)  # every KV move
 
-    def summary(self, ttft_target: float = math.inf, tpot_target: float = math.inf) -> Summary:
+    def summary(self, ttft_target: float = math.inf,
+                tpot_target: float = DEFAULT_TPOT_SLO) -> Summary:
         return summarize(self.system, self.events, self.iterations, ttft_target, tpot_target)
 
 
@@ -69,10 +70,11 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
 
 def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostModel,
              record_tokens: bool = True, aborts: Mapping[str, float] | None = None,
-             max_events: int | None = None) -> SimResult:
+             horizon: float = math.inf, max_events: int | None = None) -> SimResult:
     """Replays `workload` through the registered policy `system` on the simulated cluster;
-    `aborts` ends the named requests at the given times, as `Engine.abort` would.
-    `max_events` stops the run after that many loop events (requests left unfinished).
+    `aborts` ends the named requests at the given times, as `Engine.abort` would. The run
+    stops at simulated time `horizon` or after `max_events` loop events, whichever comes
+    first, so a run that stops making progress ends with `num_finished < num_requests`.
 
     Raises:
         ValueError: for an unknown policy or a request that cannot fit (see check_fits).
@@ -92,7 +94,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
         ctx.loop.at(req.arrival_time, partial(_arrive, ctx, request))
     for seq_id, at in (aborts or {}).items():
         ctx.loop.at(at, partial(_abort, ctx, seq_id))
-    ctx.loop.run(max_events=max_events)
+    ctx.loop.run(until=horizon, max_events=max_events)
     return SimResult(
         system=system, events=ctx.life.events, iterations=ctx.life.iterations,
         num_requests=workload.num_requests, num_finished=ctx.life.num_finished,

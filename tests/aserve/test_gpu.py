@@ -9,7 +9,7 @@ import torch
 from aserve import SamplingParams, generate
 from aserve.cuda_graphs import DecodeGraphs, bucket_at_least, width_bucket
 from models.attention import AttentionMetadata, get_backend
-from models.backends import TRITON_BACKENDS
+from models.backends import GRAPH_BACKENDS, TRITON_BACKENDS
 from models.loader import load_model
 from models.opt import OPTForCausalLM
 from tests.conftest import make_config, make_prompts
@@ -112,7 +112,7 @@ def test_prefill_and_oversized_steps_run_eagerly() -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_cuda_graph_replays_match_eager_decode(backend: str) -> None:
     check_graph_replays("cuda", backend, use_graphs=True)
 

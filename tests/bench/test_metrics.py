@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aserve.core import Event, EventKind, IterationRecord
-from bench.metrics import percentile, request_metrics, summarize
+from bench.metrics import DEFAULT_TPOT_SLO, percentile, request_metrics, summarize
 
 
 def _log(seq_id: str, *steps: tuple[EventKind, float]) -> list[Event]:
@@ -160,3 +160,51 @@ def test_hidden_transfer_share_counts_copy_time_under_forward_passes() -> None:
     assert hidden_transfer_share(transfers, iterations) == 0.75
     assert hidden_transfer_share(transfers, [], "host", "staging") == 0.0
     assert math.isnan(hidden_transfer_share([], iterations))
+
+
+def _paper_events() -> list[Event]:
+    """p: 5 tokens with a 2 s wait in the pool between its 3rd and 4th; q: 3 tokens, steady."""
+    return [
+        *_log("p", ("arrival", 0.0), ("first_token", 1.0), ("token", 1.1), ("token", 1.2),
+              ("token", 3.2), ("token", 3.3), ("finish", 3.3)),
+        *_log("q", ("arrival", 0.5), ("first_token", 0.7), ("token", 0.75), ("token", 0.8),
+              ("finish", 0.8)),
+    ]
+
+
+def test_tpot_is_last_minus_first_over_n_minus_one_including_pool_waits() -> None:
+    by_id = {m.seq_id: m for m in request_metrics(_paper_events())}
+    assert by_id["p"].tpot == pytest.approx((3.3 - 1.0) / 4)  # 0.575 s, the wait included
+    assert by_id["q"].tpot == pytest.approx((0.8 - 0.7) / 2)
+    s = summarize("sys", _paper_events(), [], tpot_target=math.inf)
+    assert s.tpot_mean == pytest.approx((0.575 + 0.05) / 2)
+    assert s.tpot_p50 == pytest.approx((0.575 + 0.05) / 2)
+    assert s.tpot_p99 == pytest.approx(0.05 + 0.525 * 0.99)
+
+
+@pytest.mark.parametrize(("slo", "good"), [(0.5, ["q"]), (0.6, ["p", "q"]), (0.01, [])])
+def test_goodput_under_a_tpot_slo_counts_requests_and_their_tokens(
+    slo: float, good: list[str]
+) -> None:
+    s = summarize("sys", _paper_events(), [], tpot_target=slo)
+    tokens = {"p": 5, "q": 3}
+    assert s.tpot_slo == slo
+    assert s.goodput == pytest.approx(len(good) / 3.3)
+    assert s.goodput_tokens == pytest.approx(sum(tokens[g] for g in good) / 3.3)
+    assert s.slo_attainment == pytest.approx(len(good) / 2)
+
+
+def test_the_default_slo_is_documented_and_applied() -> None:
+    s = summarize("sys", _paper_events(), [])
+    assert s.tpot_slo == DEFAULT_TPOT_SLO == 0.1
+    assert s.goodput == pytest.approx(1 / 3.3)  # q (50 ms) meets 100 ms, p (575 ms) not
+
+
+def test_iteration_latency_over_decode_iterations_only() -> None:
+    iterations = [_iteration(10, 20, t) for t in (0.010, 0.020, 0.030, 0.040)]
+    iterations.append(_iteration(0, 0, 0.500, batch_size=0))  # idle step: left out
+    s = summarize("sys", [], iterations)
+    assert s.iteration_latency_mean == pytest.approx(0.025)
+    assert s.iteration_latency_p50 == pytest.approx(0.025)
+    assert s.iteration_latency_p99 == pytest.approx(0.030 + 0.010 * 0.97)
+    assert s.forward_time_p99 > 0.4  # the raw forward times keep the idle step

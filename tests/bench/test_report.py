@@ -122,6 +122,22 @@ def test_ablation_unknown_baseline_is_rejected(tmp_path: Path) -> None:
         report.plot_ablation(tmp_path / "x.png", {"a": 1.0}, CAPTION, "b")
 
 
+def test_tpot_cdf_marks_the_slo(tmp_path: Path) -> None:
+    metrics = request_metrics([Event("a", "arrival", 0.0), Event("a", "first_token", 0.1),
+                               Event("a", "token", 0.3), Event("a", "finish", 0.3)])
+    fig = report.plot_tpot_cdf(tmp_path / "tpot.png", {"fcfs": metrics}, CAPTION, 0.1)
+    step, slo = fig.axes[0].lines
+    assert np.asarray(step.get_xdata()).tolist() == pytest.approx([200.0])  # ms
+    assert np.asarray(slo.get_xdata()).tolist() == [100.0, 100.0]
+    assert slo.get_label() == "SLO 100 ms"
+
+
+def test_markdown_table_names_the_slo_and_shows_tpot_p50_and_iteration_latency() -> None:
+    header = report.markdown_table([_summary("aligned", 1.0, 0.01)]).splitlines()[0]
+    assert "goodput tok/s (TPOT ≤ 100 ms)" in header
+    assert "TPOT p50 ms" in header and "iter p99 ms" in header
+
+
 def test_cdf_steps_reach_one(tmp_path: Path) -> None:
     fig = report.plot_cdf(tmp_path / "cdf.png", {"s": [3.0, 1.0, 2.0, 4.0]}, "x", CAPTION)
     line = fig.axes[0].lines[0]

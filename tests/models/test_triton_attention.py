@@ -42,7 +42,7 @@ CASES = {  # case id -> (dtype, block_size, head_dim, seed)
     "float16-bs16-d64": ("float16", 16, 64, 2),
     "bfloat16-bs32-d32": ("bfloat16", 32, 32, 3),
 }
-BACKENDS = ("triton", "triton-splitk")
+BACKENDS = ("triton", "triton-lpt", "triton-splitk")
 
 
 def case_inputs(dtype: str, block_size: int, head_dim: int, seed: int
@@ -66,10 +66,13 @@ def interpreter_results() -> dict[str, object]:
     for case, (dtype, block_size, head_dim, seed) in CASES.items():
         q, kv_cache, meta = case_inputs(dtype, block_size, head_dim, seed)
         ref = get_backend("paged").forward(q.float(), kv_cache.float(), 1, meta, SCALE)
-        for name in BACKENDS:
-            out = get_backend(name).forward(q, kv_cache, 1, meta, SCALE)
+        outs = {name: get_backend(name).forward(q, kv_cache, 1, meta, SCALE)
+                for name in BACKENDS}
+        for name, out in outs.items():
             results[f"{name}/{case}"] = {"err": rel_err(out.float(), ref), "dtype": str(out.dtype),
                                          "shape": list(out.shape)}
+        # Longest-first changes which program runs when, never what one computes.
+        results[f"lpt-equal/{case}"] = torch.equal(outs["triton-lpt"], outs["triton"])
     return results
 
 
@@ -98,6 +101,13 @@ def test_kernel_matches_paged_reference(interpreted: dict[str, object], backend:
     assert result["dtype"] == str(DTYPES[dtype])
     assert result["shape"] == [len(BOUNDARY_LENS) + 3, NUM_HEADS, head_dim]
     assert result["err"] < TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_longest_first_order_gives_the_batch_order_bits(interpreted: dict[str, object],
+                                                        case: str) -> None:
+    """Outputs land in batch order (each program writes its own sequence's row)."""
+    assert interpreted[f"lpt-equal/{case}"] is True
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -133,7 +143,8 @@ def test_split_plan_rejects_an_empty_range() -> None:
 
 ARG_TYPES = {  # kernel argument -> Triton type, as a launch on fp16 tensors specialises them
     "out_ptr": "*fp16", "q_ptr": "*fp16", "kv_ptr": "*fp16", "tables_ptr": "*i64",
-    "seq_lens_ptr": "*i64", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale": "fp32",
+    "seq_lens_ptr": "*i64", "order_ptr": "*i64", "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32", "scale": "fp32",
     "stride_block": "i64", **{name: "i32" for name in (
         "stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_table", "layer_offset",
         "v_offset", "stride_token", "chunk_tokens", "num_chunks")},
@@ -141,10 +152,13 @@ ARG_TYPES = {  # kernel argument -> Triton type, as a launch on fp16 tensors spe
 
 
 @pytest.mark.parametrize(("kernel", "constants"), [
-    (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS)),
+    (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
+                          NUM_HEADS=40, LPT=False)),
+    (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
+                          NUM_HEADS=40, LPT=True)),
     (_split_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS)),
     (_merge_kernel, dict(HEAD_DIM=80, BLOCK_D=128, CHUNKS_P2=MAX_CHUNKS)),
-], ids=["decode", "split", "merge"])
+], ids=["decode", "decode-lpt", "split", "merge"])
 def test_kernel_compiles_for_hopper_without_a_gpu(kernel: object, constants: dict[str, int]
                                                   ) -> None:
     """The interpreter accepts code the compiler rejects; compile ahead of time for sm_90."""

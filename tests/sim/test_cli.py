@@ -33,6 +33,7 @@ def test_run_writes_one_row_per_system_and_kernel(tmp_path: Path,
                                            "aligned [split-k]", "fcfs [split-k]"]
     assert all(r["num_requests"] == 60 for r in rows)
     assert (tmp_path / "plots" / "throughput_tpot.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "tpot_cdf.png").stat().st_size > 0
     assert "aligned / fcfs [per-seq]: decode throughput" in capsys.readouterr().out
 
 
