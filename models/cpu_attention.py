@@ -5,7 +5,10 @@ as sampled dot products (one small gathered dot per (sequence, head, position)),
 short contexts runs several times slower than reading the KV once (benchmarks/RESULTS.md,
 issue 17), and in bf16 without AVX-512 BF16 each product converts element by element. This
 kernel reads each sequence's K and V rows once through its block table, token by token,
-accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Work
+accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Given
+this step's K/V, each work item first writes its sequence's new row (rounded to the cache's
+dtype, as `write_kv` would), so that a decode step makes no separate pass over the cache;
+queries may be float32 over a bf16 cache (models that keep activations float32). Work
 items are whole sequences (single heads when the batch is small), handed out to
 `torch.get_num_threads()` threads by a shared counter.
 
