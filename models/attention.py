@@ -126,8 +126,8 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: T
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")  # [num_tokens]
     k_rows = block_ids * (num_layers * 2 * block_size) + (slot_mapping - block_ids * block_size)
     k_rows += layer * 2 * block_size  # [num_tokens]
-    rows.index_copy_(0, k_rows, k)
-    rows.index_copy_(0, k_rows + block_size, v)
+    rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
+    rows.index_copy_(0, k_rows + block_size, v.to(kv_cache.dtype))
 
 
 class AttentionBackend(ABC):
@@ -137,6 +137,21 @@ class AttentionBackend(ABC):
     """
 
     name = ""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
+               meta: AttentionMetadata, scale: float) -> Tensor:
+        """Writes the new tokens' K/V into the cache (`write_kv`), then attends (`forward`).
+
+        q, k, v: `[num_tokens, num_heads, head_dim]`, possibly in a wider dtype than the
+        cache (float32 activations over a bf16 cache): they are then rounded to the cache's
+        dtype and the output widened back. Returns `[num_tokens, num_heads, head_dim]` in
+        q's dtype.
+        """
+        write_kv(kv_cache, layer, k, v, meta.slot_mapping)
+        if q.dtype == kv_cache.dtype:
+            return self.forward(q, kv_cache, layer, meta, scale, k, v)
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        return self.forward(q.to(kv_cache.dtype), kv_cache, layer, meta, scale, k, v).to(q.dtype)
 
     def forward(
         self,
@@ -196,6 +211,18 @@ class PagedBackend(AttentionBackend):
     """
 
     name = "paged"
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
+               meta: AttentionMetadata, scale: float) -> Tensor:
+        """A decode batch runs the fused kernel, which also writes the K/V (no separate
+        pass over the cache); anything else, or no kernel, takes the default path."""
+        if meta.is_decode:
+            index = _index(meta, kv_cache, None)
+            out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
+                                       index.max_seq_len, scale, new_kv=(k, v))
+            if out is not None:
+                return out
+        return super().attend(q, k, v, kv_cache, layer, meta, scale)
 
     def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
                 scale: float) -> Tensor:

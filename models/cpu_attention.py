@@ -5,7 +5,10 @@ as sampled dot products (one small gathered dot per (sequence, head, position)),
 short contexts runs several times slower than reading the KV once (benchmarks/RESULTS.md,
 issue 17), and in bf16 without AVX-512 BF16 each product converts element by element. This
 kernel reads each sequence's K and V rows once through its block table, token by token,
-accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Work
+accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Given
+this step's K/V, each work item first writes its sequence's new row (rounded to the cache's
+dtype, as `write_kv` would), so that a decode step makes no separate pass over the cache;
+queries may be float32 over a bf16 cache (models that keep activations float32). Work
 items are whole sequences (single heads when the batch is small), handed out to
 `torch.get_num_threads()` threads by a shared counter.
 
@@ -46,14 +49,16 @@ _SOURCE = r"""
 #define LANES 8
 
 typedef struct {
-    const void *q;             /* [num_seqs, heads, dim], contiguous */
+    const void *q;             /* [num_seqs, heads, dim] rows q_stride elements apart */
+    const void *k_new, *v_new; /* this step's K/V rows like q (q's dtype), or NULL */
+    int64_t q_stride;          /* elements between sequences in q, k_new and v_new */
     const void *k;             /* layer's K of block 0; V sits v_offset elements further */
     int64_t v_offset, block_stride;   /* elements */
     const int64_t *tables;     /* [num_seqs, width] */
     const int64_t *lens;       /* [num_seqs] */
     int64_t width, num_seqs, heads, dim, block_size;
     float scale;
-    void *out;                 /* [num_seqs, heads, dim] */
+    void *out;                 /* [num_seqs, heads, dim] contiguous, q's dtype */
     int64_t max_len, group;    /* group: heads per work item (divides heads) */
     int64_t next;              /* next (seq, head) pair, shared by the workers */
 } Job;
@@ -85,11 +90,14 @@ static inline float sum8(f32x8 v) {
 }
 
 /* One work item = one sequence and a group of `group` adjacent heads, read token by token
-   (each token's K/V of the group is one contiguous run): scores, softmax, then the weighted
-   sum of V; float32 throughout. `scores` holds group * max_len floats. */
-#define KERNEL(NAME, T, LOAD, STORE)                                                     \
+   (each token's K/V of the group is one contiguous run): first this step's K/V of the
+   group are written at position len - 1 (when k_new is set), then scores, softmax and the
+   weighted sum of V; float32 throughout. Queries and output are QT (QLOAD, QSTORE), the
+   cache T (LOAD, STORE). `scores` holds group * max_len floats. */
+#define KERNEL(NAME, QT, QLOAD, QSTORE, T, LOAD, STORE)                                  \
 static void NAME(Job *job, float *scores) {                                             \
-    const T *q = job->q, *kbase = job->k;                                               \
+    const QT *q = job->q;                                                               \
+    T *kbase = (T *)job->k;                                                             \
     const int64_t heads = job->heads, dim = job->dim, vecs = dim / LANES;               \
     const int64_t bs = job->block_size, row = heads * dim, g = job->group;              \
     const int64_t groups = heads / g, stride = job->max_len;                            \
@@ -100,8 +108,17 @@ static void NAME(Job *job, float *scores) {                                     
         if (item >= job->num_seqs * groups) return;                                     \
         int64_t seq = item / groups, h0 = item % groups * g, len = job->lens[seq];      \
         const int64_t *table = job->tables + seq * job->width;                          \
-        const T *qs = q + (seq * heads + h0) * dim;                                     \
-        for (int64_t i = 0; i < g * vecs; i++) qv[i] = LOAD(qs + i * LANES) * job->scale; \
+        const int64_t at = seq * job->q_stride + h0 * dim;                              \
+        if (job->k_new != NULL) {                                                       \
+            const int64_t p = len - 1;                                                  \
+            T *kw = kbase + table[p / bs] * job->block_stride + p % bs * row + h0 * dim; \
+            const QT *kn = (const QT *)job->k_new + at, *vn = (const QT *)job->v_new + at; \
+            for (int64_t i = 0; i < g * vecs; i++) {                                    \
+                STORE(kw + i * LANES, QLOAD(kn + i * LANES));                           \
+                STORE(kw + job->v_offset + i * LANES, QLOAD(vn + i * LANES));           \
+            }                                                                           \
+        }                                                                               \
+        for (int64_t i = 0; i < g * vecs; i++) qv[i] = QLOAD(q + at + i * LANES) * job->scale; \
         for (int64_t h = 0; h < g; h++) peak[h] = -INFINITY, total[h] = 0;              \
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *k = kbase + table[p0 / bs] * job->block_stride + h0 * dim;         \
@@ -132,38 +149,45 @@ static void NAME(Job *job, float *scores) {                                     
                         acc[h * vecs + i] += LOAD(v + h * dim + i * LANES) * w;         \
                 }                                                                       \
         }                                                                               \
-        T *out = (T *)job->out + (seq * heads + h0) * dim;                              \
+        QT *out = (QT *)job->out + (seq * heads + h0) * dim;                            \
         for (int64_t h = 0; h < g; h++)                                                 \
             for (int64_t i = 0; i < vecs; i++)                                          \
-                STORE(out + (h * vecs + i) * LANES, acc[h * vecs + i] / total[h]);      \
+                QSTORE(out + (h * vecs + i) * LANES, acc[h * vecs + i] / total[h]);     \
     }                                                                                   \
 }
 
-KERNEL(decode_f32, float, load_f32, store_f32)
-KERNEL(decode_bf16, uint16_t, load_bf16, store_bf16)
+KERNEL(decode_f32, float, load_f32, store_f32, float, load_f32, store_f32)
+KERNEL(decode_bf16, uint16_t, load_bf16, store_bf16, uint16_t, load_bf16, store_bf16)
+KERNEL(decode_f32_bf16, float, load_f32, store_f32, uint16_t, load_bf16, store_bf16)
 
-typedef struct { Job *job; int is_bf16; } Worker;
+enum { F32 = 0, BF16 = 1, F32_OVER_BF16 = 2 };  /* (queries, cache) dtypes */
+
+typedef struct { Job *job; int kind; } Worker;
 
 static void *work(void *arg) {
     Worker *w = arg;
     int64_t len = w->job->max_len > 0 ? w->job->max_len : 1;
     float *scores = malloc(sizeof(float) * w->job->group * len);
     if (scores == NULL) return (void *)1;
-    if (w->is_bf16) decode_bf16(w->job, scores); else decode_f32(w->job, scores);
+    if (w->kind == BF16) decode_bf16(w->job, scores);
+    else if (w->kind == F32_OVER_BF16) decode_f32_bf16(w->job, scores);
+    else decode_f32(w->job, scores);
     free(scores);
     return NULL;
 }
 
-/* Returns 0 on success, -1 when memory or threads ran out (the caller falls back). */
-int paged_decode(const void *q, const void *k, int64_t v_offset, int64_t block_stride,
+/* Returns 0 on success, -1 when memory or threads ran out (the caller falls back; the
+   K/V writes may then have happened, which the caller's own write repeats). */
+int paged_decode(const void *q, const void *k_new, const void *v_new, int64_t q_stride,
+                 const void *k, int64_t v_offset, int64_t block_stride,
                  const int64_t *tables, int64_t width, const int64_t *lens, int64_t num_seqs,
                  int64_t heads, int64_t dim, int64_t block_size, int64_t max_len, float scale,
-                 void *out, int is_bf16, int num_threads) {
+                 void *out, int kind, int num_threads) {
     /* whole sequences when there are enough to share out, else one head per item */
     int64_t group = num_seqs >= 4 * num_threads ? heads : 1;
-    Job job = {q, k, v_offset, block_stride, tables, lens, width, num_seqs, heads, dim,
-               block_size, scale, out, max_len, group, 0};
-    Worker worker = {&job, is_bf16};
+    Job job = {q, k_new, v_new, q_stride, k, v_offset, block_stride, tables, lens, width,
+               num_seqs, heads, dim, block_size, scale, out, max_len, group, 0};
+    Worker worker = {&job, kind};
     pthread_t threads[64];
     int started = 0, failed = 0;
     if (num_threads > 64) num_threads = 64;
@@ -225,8 +249,8 @@ def _library() -> ctypes.CDLL | None:
                        exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.paged_decode.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64,
+                                 i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.paged_decode.restype = ctypes.c_int
     return lib
 
@@ -238,24 +262,47 @@ def is_supported(kv_cache: Tensor) -> bool:
             and _library() is not None)
 
 
+# (queries, cache) dtypes -> the kernel's `kind`: same dtype, or float32 queries over a
+# bf16 cache (models whose activations stay float32 between float32 matmuls)
+_KINDS = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1,
+          (torch.float32, torch.bfloat16): 2}
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` (`[num_seqs, heads, dim]`) with contiguous heads; sequences may be strided."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_lens: Tensor,
-           max_seq_len: int, scale: float) -> Tensor | None:
-    """`[num_seqs, heads, dim]` attention of one query per sequence over its first
-    `seq_lens[i]` cached tokens of `layer` (blocks `block_tables[i]`); None when
-    unsupported (`is_supported`), so that the caller takes its reference path."""
-    if not is_supported(kv_cache) or q.dtype != kv_cache.dtype:
+           max_seq_len: int, scale: float, new_kv: tuple[Tensor, Tensor] | None = None
+           ) -> Tensor | None:
+    """`[num_seqs, heads, dim]` attention (q's dtype) of one query per sequence over its
+    first `seq_lens[i]` cached tokens of `layer` (blocks `block_tables[i]`). With `new_kv`
+    (this step's `[num_seqs, heads, dim]` K and V, q's dtype), each sequence first writes
+    them at its position `seq_lens[i] - 1`, rounded to the cache's dtype, as `write_kv`
+    does. q, K and V may be views of one fused projection (rows strided alike). None when
+    unsupported (`is_supported`, or a dtype pair the kernel lacks), so that the caller takes
+    its reference path (and its own KV write)."""
+    kind = _KINDS.get((q.dtype, kv_cache.dtype))
+    if kind is None or not is_supported(kv_cache):
         return None
     lib = _library()
     assert lib is not None
     _, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
-    q = q.contiguous()  # [num_seqs, heads, dim]
+    q = _rows(q)  # [num_seqs, heads, dim]
+    k_new = v_new = None
+    if new_kv is not None:
+        k_new, v_new = (_rows(t.to(q.dtype)) for t in new_kv)
+        if not k_new.stride() == v_new.stride() == q.stride():
+            q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()  # long
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # [num_seqs, heads, dim]
     block_elems = block_size * num_heads * head_dim  # one K (or V) block of one layer
     k_ptr = kv_cache.data_ptr() + layer * 2 * block_elems * kv_cache.element_size()
     status = lib.paged_decode(
-        q.data_ptr(), k_ptr, block_elems, num_layers * 2 * block_elems, tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), q.shape[0], num_heads, head_dim, block_size,
-        max_seq_len, scale, out.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+        q.data_ptr(), None if k_new is None else k_new.data_ptr(),
+        None if v_new is None else v_new.data_ptr(), q.stride(0), k_ptr, block_elems,
+        num_layers * 2 * block_elems, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        q.shape[0], num_heads, head_dim, block_size, max_seq_len, scale, out.data_ptr(), kind,
         torch.get_num_threads())
     return out if status == 0 else None

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import AttentionBackend, AttentionMetadata, write_kv
+from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
 
@@ -150,14 +150,36 @@ class Float32Linear(nn.Module):
     def of(cls, linear: nn.Linear) -> Float32Linear:
         return cls(linear.weight, linear.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, relu: bool = False, residual: Tensor | None = None
+                ) -> Tensor:
+        """`x @ weight.T + bias`, then ReLU (`relu`) or `+ residual`, in x's dtype. Packed,
+        both run as oneDNN post-ops on a float32 output (no separate pass over it)."""
         x32 = x.float()  # [num_tokens, in]
         packed = self._pack() if self.packed is None else self.packed
+        if self.is_packed and residual is not None and residual.dtype == torch.float32:
+            out = torch.ops.mkldnn._linear_pointwise.binary(x32, residual, packed, self.bias,
+                                                            "add")
+            return out.to(x.dtype)  # [num_tokens, out]
         if self.is_packed:
-            out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias,
+                                                     "relu" if relu else "none", [], "")
         else:
             out = F.linear(x32, packed, self.bias)
-        return out.to(x.dtype)  # [num_tokens, out]
+            out = out.relu_() if relu else out
+        out = out.to(x.dtype)  # [num_tokens, out]
+        return out if residual is None else out.add_(residual)
+
+
+def linear_relu(layer: nn.Module, x: Tensor) -> Tensor:
+    """`relu(layer(x))`, fused where `layer` is a `Float32Linear`."""
+    return layer(x, relu=True) if isinstance(layer, Float32Linear) else F.relu_(layer(x))
+
+
+def linear_add(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """`layer(x) + residual`, fused where `layer` is a `Float32Linear`."""
+    if isinstance(layer, Float32Linear):
+        return layer(x, residual=residual)  # type: ignore[no-any-return]
+    return layer(x).add_(residual)  # type: ignore[no-any-return]
 
 
 def has_half_matmul(dtype: torch.dtype) -> bool:
@@ -193,13 +215,13 @@ class OPTAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.enable_bias)
 
     def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
-                backend: AttentionBackend) -> Tensor:
+                backend: AttentionBackend, residual: Tensor) -> Tensor:
+        """Attention of `x` (`[num_tokens, hidden]`) plus `residual`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # [num_tokens, num_heads, head_dim] each
-        write_kv(kv_cache, layer, k, v, meta.slot_mapping)
-        out = backend.forward(q, kv_cache, layer, meta, self.scale, k, v)  # [n, heads, dim]
-        return self.out_proj(out.reshape(num_tokens, -1))  # [num_tokens, hidden]
+        out = backend.attend(q, k, v, kv_cache, layer, meta, self.scale)  # [n, heads, dim]
+        return linear_add(self.out_proj, out.reshape(num_tokens, -1), residual)  # [n, hidden]
 
 
 class OPTDecoderLayer(nn.Module):
@@ -217,11 +239,11 @@ class OPTDecoderLayer(nn.Module):
     def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
                 backend: AttentionBackend) -> Tensor:
         h = self.self_attn_layer_norm(x) if self.is_pre_ln else x  # [num_tokens, hidden]
-        h = self.self_attn(h, kv_cache, layer, meta, backend).add_(x)
+        h = self.self_attn(h, kv_cache, layer, meta, backend, residual=x)
         if not self.is_pre_ln:
             h = self.self_attn_layer_norm(h)
         y = self.final_layer_norm(h) if self.is_pre_ln else h
-        y = self.fc2(F.relu_(self.fc1(y))).add_(h)  # [num_tokens, hidden]
+        y = linear_add(self.fc2, linear_relu(self.fc1, y), h)  # [num_tokens, hidden]
         return y if self.is_pre_ln else self.final_layer_norm(y)
 
 
@@ -242,6 +264,7 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = (_layer_norm(cfg, cfg.hidden_size)
                                  if cfg.has_final_layer_norm else None)
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.activation_dtype: torch.dtype | None = None  # None: the embeddings' dtype
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -250,6 +273,8 @@ class OPTDecoder(nn.Module):
             raise ValueError(f"sequence length {longest} exceeds max_position_embeddings "
                              f"({self.max_positions})")
         x = self.embed_tokens(input_ids)  # [num_tokens, word_embed_proj_dim]
+        if self.activation_dtype is not None:
+            x = x.to(self.activation_dtype)
         if self.project_in is not None:
             x = self.project_in(x)  # [num_tokens, hidden]
         x = x + self.embed_positions(positions + POSITION_OFFSET)
@@ -283,12 +308,18 @@ class OPTForCausalLM(nn.Module):
     def use_float32_matmuls(self) -> None:
         """Computes every linear layer and the LM head in float32 from prepacked float32
         weights (`Float32Linear`; memory: one float32 copy of the matmul weights besides
-        the originals); activations, LayerNorms, attention and the KV cache keep the
-        model's dtype."""
+        the originals), and keeps the activations between them (residual stream,
+        LayerNorms, queries and attention outputs) in float32, so that nothing converts
+        around each matmul; the embedding tables and the KV cache keep the model's dtype
+        (K/V are rounded to it when written). The LayerNorm parameters become float32
+        (exact copies of their values)."""
         for module in list(self.modules()):
+            if isinstance(module, nn.LayerNorm):
+                module.float()
             for name, child in module.named_children():
                 if isinstance(child, nn.Linear):
                     setattr(module, name, Float32Linear.of(child))
+        self.model.decoder.activation_dtype = torch.float32
         # NOTE: not a submodule: the tied weight must not appear twice in parameters().
         object.__setattr__(self, "lm_head",
                            Float32Linear(self.model.decoder.embed_tokens.weight, None))

@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor, argsort, bfloat16, empty, float16, float32
 from triton.runtime.interpreter import InterpretedFunction
 
-from models.attention import AttentionMetadata, PagedBackend
+from models.attention import AttentionBackend, AttentionMetadata, PagedBackend
 
 KERNEL_DTYPES = (float16, bfloat16, float32)  # other dtypes take the reference path
 TILE_TOKENS = 64  # KV positions one loop iteration of a program reads
@@ -152,6 +152,11 @@ class TritonDecodeBackend(PagedBackend):
 
     name = "triton"
     longest_first = False  # programs in batch order (see TritonLongestFirstBackend)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
+               meta: AttentionMetadata, scale: float) -> Tensor:
+        """Writes the K/V, then `forward` (not the CPU kernel `paged` fuses the write into)."""
+        return AttentionBackend.attend(self, q, k, v, kv_cache, layer, meta, scale)
 
     def forward(self, q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
                 scale: float, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:

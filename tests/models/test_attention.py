@@ -134,3 +134,55 @@ def test_paged_reference_path_without_the_kernel(dtype: torch.dtype,
     out = get_backend("paged").forward(q, kv_cache, 0, meta, SCALE)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out, dense_reference(q, kv_cache, 0, meta, SCALE)) < tolerance
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype", "tolerance"), [
+    (torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float32, torch.bfloat16, 2e-2)])  # the last: float32 activations, bf16 cache
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # one head per work item; whole sequences
+def test_cpu_kernel_writes_this_steps_kv_like_write_kv(
+        q_dtype: torch.dtype, cache_dtype: torch.dtype, tolerance: float, block_size: int,
+        num_seqs: int) -> None:
+    rng = random.Random(block_size * 100 + num_seqs)
+    # NOTE: lengths on and just past block boundaries: the new token opens a block
+    lens = [rng.randint(1, 300) for _ in range(num_seqs)] + [1, block_size, block_size + 1]
+    tables, num_blocks = make_block_tables(lens, block_size, seed=num_seqs)
+    kv_cache = make_kv_cache(num_blocks, NUM_LAYERS, NUM_HEADS, HEAD_DIM, cache_dtype,
+                             block_size)
+    if not cpu_attention.is_supported(kv_cache):
+        pytest.skip("no C compiler for the CPU kernel")
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size, "cpu")
+    # q, k, v as the model makes them: strided views of one fused projection
+    qkv = torch.randn(len(lens), 3, NUM_HEADS, HEAD_DIM,
+                      generator=torch.Generator().manual_seed(7)).to(q_dtype)
+    q, k, v = qkv.unbind(1)
+    want_cache = kv_cache.clone()
+    write_kv(want_cache, 1, k, v, meta.slot_mapping)
+    out = cpu_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
+                               SCALE, new_kv=(k, v))
+    assert out is not None and out.dtype == q_dtype
+    assert torch.equal(kv_cache, want_cache)  # the same slots, rounded the same, nothing else
+    assert rel_err(out, dense_reference(q, want_cache, 1, meta, SCALE)) < tolerance
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_attend_over_a_narrower_cache_matches_the_cache_dtype_path(
+        kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 queries over a bf16 cache (prefill, chunk and decode rows in one batch, and
+    a decode batch), with and without the kernel: the cache gets what write_kv writes and
+    the output is close to attention over that cache."""
+    if not kernel:
+        monkeypatch.setattr(cpu_attention, "is_supported", lambda kv_cache: False)
+    for query_lens, seq_lens in (([1, 4, 30, 1, 7], [1, 10, 30, 77, 7]), ([1] * 5, [9, 1, 40,
+                                                                                    17, 3])):
+        tables, num_blocks = make_block_tables(seq_lens)
+        kv_cache = make_kv_cache(num_blocks, NUM_LAYERS, NUM_HEADS, HEAD_DIM, torch.bfloat16)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, 4, "cpu")
+        q, k, v = torch.randn(3, sum(query_lens), NUM_HEADS, HEAD_DIM)
+        want_cache = kv_cache.clone()
+        write_kv(want_cache, 1, k, v, meta.slot_mapping)
+        out = get_backend("paged").attend(q, k, v, kv_cache, 1, meta, SCALE)
+        assert out.dtype == torch.float32
+        assert torch.equal(kv_cache, want_cache)
+        assert rel_err(out, dense_reference(q, want_cache, 1, meta, SCALE)) < 2e-2

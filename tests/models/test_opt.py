@@ -110,9 +110,12 @@ def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) ->
         runner.step(dict(enumerate(prompts)))
         logits.append(torch.cat(runner.step({0: [7], 1: [9]})))
     assert rel_err(logits[1], logits[0]) < 2e-2  # summation order and rounding only
-    assert rel_err(logits[1], logits[2]) < 5e-2
+    # float32 activations between the matmuls: closer to float32 than half precision is
+    assert rel_err(logits[1], logits[2]) < rel_err(logits[0], logits[2])
     assert isinstance(upcast.model.decoder.layers[0].fc1, Float32Linear)
-    assert upcast.model.decoder.layers[0].final_layer_norm.weight.dtype == dtype
+    norm, native_norm = (m.model.decoder.layers[0].final_layer_norm for m in (upcast, native))
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm.weight, native_norm.weight)
+    assert upcast.model.decoder.embed_tokens.weight.dtype == dtype
 
 
 def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint,
