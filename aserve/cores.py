@@ -91,6 +91,35 @@ class Window(NamedTuple):
     max_requests: int
 
 
+class Core:
+    """What every core offers its driver, whichever kind of instance it runs. The driver
+    loops: `step(now)` says what must happen next, a `Forward` to run (then `finish`, whose
+    returned moves it copies too), KV moves to copy one after another (each then `landed`
+    or `failed`), or None (nothing until the driver is woken); `fail` ends what the core
+    held when the driver's step raised."""
+
+    name: str
+    life: Lifecycle
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        raise NotImplementedError
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> list[Move]:
+        raise NotImplementedError
+
+    def landed(self, move: Move, now: float) -> None:
+        raise NotImplementedError
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        """A copy failed: that seq alone ends with an error."""
+        self.life.fail_move(move, error, at=now)
+
+    def fail(self, error: str, now: float) -> None:
+        raise NotImplementedError
+
+
 class Driver(Protocol):
     """What the wiring needs of an instance's driver (an asyncio actor, a simulated
     instance): its core, and a way to wake it (it acts on the core's new state once free)."""
@@ -119,15 +148,26 @@ class Wiring:
         call(self.batcher.core)
         self.batcher.wake()
 
-    def connect(self, prefills: list[Driver], batcher: Driver | None,
-                decodes: list[Driver]) -> list[Driver]:
-        """Takes the drivers of one engine or cluster (a colocated policy has no prefill
-        instance and no batcher) and starts them: each decode instance asks for its first
-        batch. Returns them all."""
-        self.prefills, self.batcher, self.decodes = prefills, batcher, decodes
-        if batcher is not None:
-            for decode in decodes:
-                decode.core.ask_for_batch()
+    def connect(self, drive: Callable[[Core], Driver], policy: Policy, kv: BlockLedger,
+                life: Lifecycle, sched: Any, num_prefill: int, num_decode: int) -> list[Driver]:
+        """Builds the cores of `policy` (`num_decode` colocated instances if it uses no
+        pool; else prefill instances, the batcher and decode instances), with `sched` (the
+        engine's SchedulerConfig), each in its driver `drive(core)`; starts them (each decode
+        instance asks for its first batch) and returns the drivers."""
+        batch = sched.max_batch_size
+        if not policy.uses_pool:
+            self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
+                sched.max_prefill_tokens, batch, kv.block_size))) for j in range(num_decode)]
+            return self.drivers
+        num_blocks = kv.allocators["decode0"].num_blocks
+        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens))
+                         for i in range(num_prefill)]
+        self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
+                                         sched.batch_kv_fraction, batch))
+        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch))
+                        for j in range(num_decode)]
+        for decode in self.decodes:
+            decode.core.ask_for_batch()
         return self.drivers
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
@@ -460,7 +500,7 @@ def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
 # pool has room (backpressure: no prefill starts while an offload waits for room).
 
 
-class PrefillCore:
+class PrefillCore(Core):
     """A waiting queue, a scratch KV store, and the prefilled seqs waiting for the pool."""
 
     def __init__(self, index: int, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
@@ -470,14 +510,11 @@ class PrefillCore:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
+        self.prefilling: list[Sequence] = []  # the forward in flight
 
     @property
     def num_waiting_tokens(self) -> int:
         return sum(seq.num_tokens for seq in self.waiting)
-
-    @property
-    def can_prefill(self) -> bool:
-        return bool(self.waiting) and not self.blocked
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
@@ -487,6 +524,13 @@ class PrefillCore:
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
         self.waiting = deque(self.life.reap(list(self.waiting), now))
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        """Prefilled KV goes to the host pool first, one seq at a time; no prefill starts
+        while the pool is full (`pool_space` wakes the driver). Then the next prefill."""
+        if self.blocked and (move := self.next_offload(now)) is not None:
+            return [move]
+        return None if self.blocked or not self.waiting else self.forward(now)
 
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
@@ -498,29 +542,34 @@ class PrefillCore:
             if batch and seq.num_tokens > budget:
                 break
             if not self.kv.allocate(seq, self.name, seq.num_tokens):
-                break
+                if batch:
+                    break
+                # admission control makes this a bug
+                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
+                                 "prompt does not fit the prefill KV store", at=now)
+                continue
             batch.append(self.waiting.popleft())
             budget -= seq.num_tokens
         if not batch:
-            if self.waiting:  # admission control makes this a bug
-                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
-                                 "prompt does not fit the prefill KV store", at=now)
             return None
+        self.prefilling = batch
         for seq in batch:
             seq.status = SeqStatus.PREFILLING
             self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
 
     def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float) -> list[Move]:
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> list[Move]:
         """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
         KV copies of the samples forked from these prompts (n > 1), which the driver carries
-        out before anything else, calling `forked` as each lands."""
+        out before anything else."""
         lengths = tuple(step.num_new_tokens)
+        self.prefilling = []
         self.life.prefill_iteration(IterationRecord(
             instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
             num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=0.0, is_mixed=False,
+            forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
             blocks_used=self.kv.blocks_used(), prefill_lengths=lengths))
         forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
@@ -539,14 +588,12 @@ class PrefillCore:
                 self.blocked.append(seq)
         return forks
 
-    def forked(self, move: Move, now: float) -> None:
-        """A sample's copy of its prompt's KV landed: it waits to be offloaded too."""
-        self.blocked.append(move.seq)
-
-    def fail(self, step: Forward, error: str, now: float) -> None:
-        """The forward pass failed: its seqs end with an error."""
-        for seq in step.seqs:
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass (or an offload) failed: the prefilled seqs end with an error."""
+        for seq in (*self.prefilling, *self.blocked):
             self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.prefilling = []
+        self.blocked.clear()
 
     def next_offload(self, now: float) -> Move | None:
         """The next prefilled seq's move to the host pool; None when there is none or the
@@ -565,7 +612,12 @@ class PrefillCore:
         return None
 
     def landed(self, move: Move, now: float) -> None:
+        """An offload landed in the pool, or a sample's copy of its prompt's KV (then it
+        waits to be offloaded too)."""
         seq = move.seq
+        if move.src_ids is not None:
+            self.blocked.append(seq)
+            return
         seq.status = SeqStatus.POOLED
         self.life.event(seq.seq_id, "pooled", now)
         self.wiring.pooled(seq)
@@ -589,10 +641,13 @@ class Order:
     seqs: list[Sequence]
     index: int = 0
     moved: list[Sequence] = field(default_factory=list)
+    moving: Move | None = None  # its copy in flight
 
 
-class BatcherCore:
+class BatcherCore(Core):
     """Pooled seqs, the decode instances waiting for a batch, and their running windows."""
+
+    name = "batcher"
 
     def __init__(self, policy: Policy, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
                  num_decode_blocks: int, batch_kv_fraction: float,
@@ -610,6 +665,43 @@ class BatcherCore:
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
+        self.orders: list[Order] = []  # being staged
+
+    def step(self, now: float) -> list[Move] | None:
+        """The next staging copy of an order whose last copy has landed (an order all
+        staged is delivered), else the first of a new order; None when there is nothing to
+        do. A driver may copy for several orders at once (each link queues its own)."""
+        while True:
+            for order in self.orders:
+                if order.moving is None:
+                    order.moving = self.next_move(order, now)
+                    if order.moving is not None:
+                        return [order.moving]
+                    self.orders.remove(order)
+                    self.deliver(order, now)
+                    break
+            else:
+                order = self.next_order(now)
+                if order is None:
+                    return None
+                self.orders.append(order)
+
+    def _landing(self, move: Move) -> Order:
+        order = next(o for o in self.orders if o.moving is move)
+        order.moving = None
+        return order
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        self._landing(move)
+        super().failed(move, error, now)
+
+    def fail(self, error: str, now: float) -> None:
+        """The orders being staged end with an error."""
+        for order in self.orders:
+            for seq in order.seqs:
+                self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+            self.in_flight.discard(order.instance)
+        self.orders = []
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -710,10 +802,10 @@ class BatcherCore:
                     return move
         return None
 
-    def landed(self, order: Order, move: Move, now: float) -> None:
+    def landed(self, move: Move, now: float) -> None:
         move.seq.status = SeqStatus.STAGED
         self.life.event(move.seq.seq_id, "prefetched", now)
-        order.moved.append(move.seq)
+        self._landing(move).moved.append(move.seq)
 
     def deliver(self, order: Order, now: float) -> None:
         """Hands the staged order to its decode instance (aborted seqs end here)."""
@@ -734,12 +826,12 @@ class BatcherCore:
 # batch-level scheduling (release, evict, return to the pool, refill from candidate
 # requests, switch batches) as KV moves; then it names the seqs of the next iteration.
 #
-# A driver runs: `boundary` -> carry out its moves (`landed` / `failed` each) -> `settled`,
-# which returns the admissions' moves once the evictions have freed their room (carry out,
-# `settled` again until it returns none) -> `forward` -> run it -> `finish`.
+# `step` runs: `boundary` -> its moves -> `settled`, which returns the admissions' moves
+# once the evictions have freed their room (`settled` again until it returns none) ->
+# `forward` -> `finish`; an eviction for room instead settles, then a new boundary.
 
 
-class DecodeCore:
+class DecodeCore(Core):
     """The running batch and its two candidate buffers."""
 
     def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
@@ -755,6 +847,8 @@ class DecodeCore:
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
+        self._settling = False  # moves are out: `settled` comes next
+        self._then_forward = False  # ...and after it the forward (else a new boundary)
 
     @property
     def is_idle(self) -> bool:
@@ -782,6 +876,27 @@ class DecodeCore:
         if not self.cand_batch and not self.want_sent:
             self.want_sent = True
             self.wiring.want_batch(self.index)
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        """The boundary's moves, then the admissions', then the iteration; None while idle
+        or waiting for a batch."""
+        while True:
+            if self._settling:
+                moves = self.settled(now)
+                if moves:
+                    return moves
+                self._settling = False
+                if self._then_forward:
+                    self._then_forward = False
+                    work = self.forward(now)
+                    self._settling = isinstance(work, list) and bool(work)  # an eviction
+                    return work or None
+            if self.is_idle:
+                return None
+            moves = self.boundary(now)
+            self._settling = self._then_forward = True
+            if moves:
+                return moves
 
     # -- the boundary ------------------------------------------------------------------
     def boundary(self, now: float) -> list[Move]:
@@ -953,7 +1068,7 @@ class DecodeCore:
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> None:
+               schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
         lengths = step.lengths
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
@@ -968,6 +1083,7 @@ class DecodeCore:
             is_mixed=len({s.batch_id == self.current_batch_id for s in step.seqs}) > 1,
             blocks_used=self.kv.blocks_used()))
         self.running = [s for s in self.running if not s.is_finished]
+        return []
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate
@@ -975,6 +1091,8 @@ class DecodeCore:
         for seq in self.running:
             self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
         self.running = []
+        self._settling = self._then_forward = False
+        self._admissions = None
 
 
 # -- colocated ------------------------------------------------------------------------
@@ -987,7 +1105,7 @@ def _arrival_order(seq: Sequence) -> tuple[float, str]:
     return seq.request.arrival_time, seq.seq_id
 
 
-class ColocatedCore:
+class ColocatedCore(Core):
     """A waiting queue (arrival order), a running batch, one KV cache."""
 
     def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
@@ -1022,7 +1140,7 @@ class ColocatedCore:
         return ContinuousSeq(seq.seq_id, seq.num_tokens, seq.num_computed_tokens, num_blocks,
                              seq.request.arrival_time)
 
-    def forward(self, now: float) -> Forward | None:
+    def step(self, now: float) -> Forward | None:
         """This step's work from the scheduler, with its KV blocks; None when nothing fits.
 
         NOTE: only the first max_batch_size waiting seqs (arrival order) are shown: the
@@ -1066,7 +1184,7 @@ class ColocatedCore:
                schedule_time: float) -> list[Move]:
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
-        the driver carries out before the next step, calling `forked` as each lands."""
+        the driver carries out before the next step."""
         lengths = step.lengths
         num_prefill = 0
         forks: list[Move] = []
@@ -1096,7 +1214,7 @@ class ColocatedCore:
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 
-    def forked(self, move: Move, now: float) -> None:
+    def landed(self, move: Move, now: float) -> None:
         """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""
         self.running.append(move.seq)
 
