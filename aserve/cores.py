@@ -100,6 +100,11 @@ class Core:
 
     name: str
     life: Lifecycle
+    waiting: Any  # an entry core's queue (prefill, colocated)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.waiting)
 
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
@@ -208,13 +213,9 @@ class Wiring:
             if prefill.core.blocked:
                 prefill.wake()
 
-    def staging_space(self, instance: int) -> None:
-        """Staging blocks of `instance` were freed: the batcher may stage more."""
+    def staging_space(self) -> None:
+        """Staging blocks were freed: the batcher may stage more."""
         self._to_batcher(lambda core: core.pool_changed())
-
-    def recompute(self, seq: Sequence) -> None:
-        """`seq` lost its KV (nowhere to keep it): prefill it again, first in line."""
-        self.submit(seq, front=True)
 
 
 def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
@@ -357,22 +358,35 @@ class Lifecycle:
         self.on_finish: Callable[[Sequence], None] | None = None  # the driver's bookkeeping
         self.num_finished = 0
 
+    def _keep(self, trace: list[Any], item: object) -> int:
+        """Appends `item`; past `trace_limit` the older half is dropped (a long-running
+        server must not grow forever). Returns how many were dropped."""
+        trace.append(item)
+        if len(trace) <= self.trace_limit:
+            return 0
+        half = self.trace_limit // 2
+        del trace[:half]
+        return half
+
     def event(self, seq_id: str, kind: EventKind, at: float) -> None:
-        self.events.append(Event(seq_id, kind, at))
-        if len(self.events) > self.trace_limit:  # a long-running server must not grow forever
-            del self.events[: self.trace_limit // 2]
+        self._keep(self.events, Event(seq_id, kind, at))
 
     def iteration(self, record: IterationRecord) -> None:
-        self.iterations.append(record)
-        if len(self.iterations) > self.trace_limit:
-            half = self.trace_limit // 2
-            del self.iterations[:half]
-            self.num_dropped_iterations += half
+        self.num_dropped_iterations += self._keep(self.iterations, record)
 
-    def prefill_iteration(self, record: IterationRecord) -> None:
-        self.prefill_iterations.append(record)
-        if len(self.prefill_iterations) > self.trace_limit:
-            del self.prefill_iterations[: self.trace_limit // 2]
+    def record(self, step: Forward, lengths: list[int] | tuple[int, ...], forward_time: float,
+               schedule_time: float, num_prefill_tokens: int = 0, is_mixed: bool = False,
+               prefill_lengths: tuple[int, ...] = ()) -> None:
+        """Records one forward pass; a prefill instance's (`prefill_lengths`) apart."""
+        assert self.kv is not None, "records need the block ledger"
+        record = IterationRecord(
+            step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
+            max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
+            prefill_lengths)
+        if prefill_lengths:
+            self._keep(self.prefill_iterations, record)
+        else:
+            self.iteration(record)
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:
@@ -512,10 +526,6 @@ class PrefillCore(Core):
         self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
         self.prefilling: list[Sequence] = []  # the forward in flight
 
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
-
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
         seq.status = SeqStatus.WAITING
@@ -566,11 +576,8 @@ class PrefillCore(Core):
         out before anything else."""
         lengths = tuple(step.num_new_tokens)
         self.prefilling = []
-        self.life.prefill_iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
-            blocks_used=self.kv.blocks_used(), prefill_lengths=lengths))
+        self.life.record(step, lengths, forward_time, schedule_time, sum(lengths),
+                         prefill_lengths=lengths)
         forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
@@ -703,9 +710,6 @@ class BatcherCore(Core):
             self.in_flight.discard(order.instance)
         self.orders = []
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
     def add(self, seq: Sequence) -> None:
         """`seq`'s KV landed in the host pool: index it."""
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
@@ -826,9 +830,9 @@ class BatcherCore(Core):
 # batch-level scheduling (release, evict, return to the pool, refill from candidate
 # requests, switch batches) as KV moves; then it names the seqs of the next iteration.
 #
-# `step` runs: `boundary` -> its moves -> `settled`, which returns the admissions' moves
-# once the evictions have freed their room (`settled` again until it returns none) ->
-# `forward` -> `finish`; an eviction for room instead settles, then a new boundary.
+# `step` runs: `boundary` -> its moves -> the admissions' moves, once the evictions have
+# freed their room -> `forward` -> `finish`; an eviction for room instead, then a new
+# boundary.
 
 
 class DecodeCore(Core):
@@ -847,8 +851,7 @@ class DecodeCore(Core):
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
-        self._settling = False  # moves are out: `settled` comes next
-        self._then_forward = False  # ...and after it the forward (else a new boundary)
+        self._then: str | None = None  # moves are out; once landed: "forward" or "boundary"
 
     @property
     def is_idle(self) -> bool:
@@ -878,31 +881,42 @@ class DecodeCore(Core):
             self.wiring.want_batch(self.index)
 
     def step(self, now: float) -> Forward | list[Move] | None:
-        """The boundary's moves, then the admissions', then the iteration; None while idle
-        or waiting for a batch."""
-        while True:
-            if self._settling:
-                moves = self.settled(now)
-                if moves:
-                    return moves
-                self._settling = False
-                if self._then_forward:
-                    self._then_forward = False
-                    work = self.forward(now)
-                    self._settling = isinstance(work, list) and bool(work)  # an eviction
-                    return work or None
-            if self.is_idle:
-                return None
-            moves = self.boundary(now)
-            self._settling = self._then_forward = True
+        """The boundary's moves; once they landed, the admissions' moves; once those landed,
+        the freed room is announced and the iteration follows. None while idle or waiting
+        for a batch."""
+        if (plan := self._admissions) is not None:
+            self._admissions = None
+            if plan.admit_batch:
+                self.current_batch_id = self.cand_batch_id
+            moves = self._admit(plan.admit_requests, self.cand_requests, now)
+            moves += self._admit(plan.admit_batch, self.cand_batch, now)
+            if not self.cand_batch:
+                self.ask_for_batch()
             if moves:
                 return moves
+        if self._then is not None:
+            then, self._then = self._then, None
+            if "host" in self._freed:
+                self.wiring.pool_space()
+            if self.staging in self._freed:
+                self.wiring.staging_space()
+            self._freed.clear()
+            if then == "forward":
+                work = self.forward(now)
+                if isinstance(work, list) and work:  # an eviction: then a new boundary
+                    self._then = "boundary"
+                return work or None
+        if self.is_idle:
+            return None
+        moves = self.boundary(now)
+        self._then = "forward"
+        return moves or self.step(now)
 
     # -- the boundary ------------------------------------------------------------------
     def boundary(self, now: float) -> list[Move]:
         """Releases ended seqs and applies the policy's plan; returns the KV moves out of the
         running batch (evictions, returns to the pool), in order. The admissions follow
-        from `settled`, once these moves have freed their decode blocks."""
+        from `step`, once these moves have freed their decode blocks."""
         self.running = self.life.reap(self.running, now)
         self.cand_requests = self.life.reap(self.cand_requests, now)
         self.cand_batch = self.life.reap(self.cand_batch, now)
@@ -949,7 +963,7 @@ class DecodeCore(Core):
             return [] if move is None else [move]
         self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
         seq.num_computed_tokens = 0
-        self.wiring.recompute(seq)
+        self.wiring.submit(seq, front=True)  # prefill it again, first in line
         return []
 
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
@@ -1012,26 +1026,6 @@ class DecodeCore(Core):
             self.running.remove(move.seq)
         self.life.fail_move(move, error, at=now)
 
-    def settled(self, now: float) -> list[Move]:
-        """The moves so far have landed: returns the planned admissions' moves (once), or
-        [] when the boundary is done, telling whom the freed room concerns."""
-        plan, self._admissions = self._admissions, None
-        if plan is not None:
-            if plan.admit_batch:
-                self.current_batch_id = self.cand_batch_id
-            moves = self._admit(plan.admit_requests, self.cand_requests, now)
-            moves += self._admit(plan.admit_batch, self.cand_batch, now)
-            if not self.cand_batch:
-                self.ask_for_batch()
-            if moves:
-                return moves
-        if "host" in self._freed:
-            self.wiring.pool_space()
-        if self.staging in self._freed:
-            self.wiring.staging_space(self.index)
-        self._freed.clear()
-        return []
-
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
         """The next iteration: every running seq whose KV can grow. If none can, evicts the
@@ -1076,12 +1070,8 @@ class DecodeCore(Core):
             seq.num_computed_tokens = seq.num_tokens
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=0, min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=schedule_time,
-            is_mixed=len({s.batch_id == self.current_batch_id for s in step.seqs}) > 1,
-            blocks_used=self.kv.blocks_used()))
+        self.life.record(step, lengths, forward_time, schedule_time, is_mixed=len(
+            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
         return []
 
@@ -1091,8 +1081,7 @@ class DecodeCore(Core):
         for seq in self.running:
             self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
         self.running = []
-        self._settling = self._then_forward = False
-        self._admissions = None
+        self._then, self._admissions = None, None
 
 
 # -- colocated ------------------------------------------------------------------------
@@ -1114,14 +1103,6 @@ class ColocatedCore(Core):
         self.kv, self.life, self.scheduler = kv, life, scheduler
         self.waiting = SortedKeyList(key=_arrival_order)
         self.running: list[Sequence] = []
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.waiting or self.running)
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new request; `front` is accepted for symmetry (the queue is in arrival order)."""
@@ -1206,11 +1187,7 @@ class ColocatedCore(Core):
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=num_prefill, min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
-            blocks_used=self.kv.blocks_used()))
+        self.life.record(step, lengths, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 

@@ -64,24 +64,6 @@ class SimContext:
             self.devices[name] = Device(name)
         return self.devices[name]
 
-    def link(self, name: str, bandwidth: float, device: str = "") -> Link:
-        """The link `name`; on a CPU (`not hardware.is_gpu`) its copies occupy `device`'s
-        compute timeline, as the engine runs CPU-to-CPU copies in the device's thread."""
-        if name not in self.links:
-            on = self.device(device) if device and not self.cost.hardware.is_gpu else None
-            self.links[name] = Link(name, bandwidth, on)
-        return self.links[name]
-
-    def host_link(self, device: str, direction: str) -> Link:
-        """`direction` is "h2d" or "d2h"; one PCIe link per device."""
-        return self.link(f"{device}.{direction}", self.cost.hardware.host_link_bandwidth, device)
-
-    def peer_link(self, src: str, dst: str) -> Link:
-        """Device-to-device copies (NVLink); a plain memcpy when both are one device."""
-        hw = self.cost.hardware
-        bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        return self.link(f"{src}->{dst}", bandwidth, src)
-
     def device_of(self, store: str) -> str:
         """The device a KV store lives on (staging j on prefill device j mod P)."""
         cfg, index = self.config, int(store.lstrip("abcdefghijklmnopqrstuvwxyz") or 0)
@@ -90,12 +72,22 @@ class SimContext:
         return cfg.prefill_devices[index % len(cfg.prefill_devices)]
 
     def link_for(self, move: Move) -> Link:
-        """Host moves use the device's PCIe link, device moves the device link."""
-        if move.dst == "host":
-            return self.host_link(self.device_of(move.src), "d2h")
+        """Host moves use the device's PCIe link, one per direction; device moves the device
+        link (NVLink), or a plain memcpy within one device. On a CPU (`not hardware.is_gpu`)
+        the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
+        copies in the device's thread."""
+        hw = self.cost.hardware
+        src, dst = self.device_of(move.src), self.device_of(move.dst)
         if move.src == "host":
-            return self.host_link(self.device_of(move.dst), "h2d")
-        return self.peer_link(self.device_of(move.src), self.device_of(move.dst))
+            device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
+        elif move.dst == "host":
+            device, name, bandwidth = src, f"{src}.d2h", hw.host_link_bandwidth
+        else:
+            device, name = src, f"{src}->{dst}"
+            bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
+        if name not in self.links:
+            self.links[name] = Link(name, bandwidth, None if hw.is_gpu else self.device(device))
+        return self.links[name]
 
     def copy(self, move: Move, then: Callable[[Move, float], None]) -> float:
         """Moves `move`'s blocks over its link from now; at arrival the ledger commits it
