@@ -91,6 +91,40 @@ class Window(NamedTuple):
     max_requests: int
 
 
+class Core:
+    """What every core offers its driver, whichever kind of instance it runs. The driver
+    loops: `step(now)` says what must happen next, a `Forward` to run (then `finish`, whose
+    returned moves it copies too), KV moves to copy one after another (each then `landed`
+    or `failed`), or None (nothing until the driver is woken); `fail` ends what the core
+    held when the driver's step raised."""
+
+    name: str
+    life: Lifecycle
+    waiting: Any  # an entry core's queue (prefill, colocated)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.waiting)
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        raise NotImplementedError
+
+    def finish(self, step: Forward, token_ids: list[int | None],
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> list[Move]:
+        raise NotImplementedError
+
+    def landed(self, move: Move, now: float) -> None:
+        raise NotImplementedError
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        """A copy failed: that seq alone ends with an error."""
+        self.life.fail_move(move, error, at=now)
+
+    def fail(self, error: str, now: float) -> None:
+        raise NotImplementedError
+
+
 class Driver(Protocol):
     """What the wiring needs of an instance's driver (an asyncio actor, a simulated
     instance): its core, and a way to wake it (it acts on the core's new state once free)."""
@@ -119,15 +153,26 @@ class Wiring:
         call(self.batcher.core)
         self.batcher.wake()
 
-    def connect(self, prefills: list[Driver], batcher: Driver | None,
-                decodes: list[Driver]) -> list[Driver]:
-        """Takes the drivers of one engine or cluster (a colocated policy has no prefill
-        instance and no batcher) and starts them: each decode instance asks for its first
-        batch. Returns them all."""
-        self.prefills, self.batcher, self.decodes = prefills, batcher, decodes
-        if batcher is not None:
-            for decode in decodes:
-                decode.core.ask_for_batch()
+    def connect(self, drive: Callable[[Core], Driver], policy: Policy, kv: BlockLedger,
+                life: Lifecycle, sched: Any, num_prefill: int, num_decode: int) -> list[Driver]:
+        """Builds the cores of `policy` (`num_decode` colocated instances if it uses no
+        pool; else prefill instances, the batcher and decode instances), with `sched` (the
+        engine's SchedulerConfig), each in its driver `drive(core)`; starts them (each decode
+        instance asks for its first batch) and returns the drivers."""
+        batch = sched.max_batch_size
+        if not policy.uses_pool:
+            self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
+                sched.max_prefill_tokens, batch, kv.block_size))) for j in range(num_decode)]
+            return self.drivers
+        num_blocks = kv.allocators["decode0"].num_blocks
+        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens))
+                         for i in range(num_prefill)]
+        self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
+                                         sched.batch_kv_fraction, batch))
+        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch))
+                        for j in range(num_decode)]
+        for decode in self.decodes:
+            decode.core.ask_for_batch()
         return self.drivers
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
@@ -168,13 +213,9 @@ class Wiring:
             if prefill.core.blocked:
                 prefill.wake()
 
-    def staging_space(self, instance: int) -> None:
-        """Staging blocks of `instance` were freed: the batcher may stage more."""
+    def staging_space(self) -> None:
+        """Staging blocks were freed: the batcher may stage more."""
         self._to_batcher(lambda core: core.pool_changed())
-
-    def recompute(self, seq: Sequence) -> None:
-        """`seq` lost its KV (nowhere to keep it): prefill it again, first in line."""
-        self.submit(seq, front=True)
 
 
 def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
@@ -317,22 +358,35 @@ class Lifecycle:
         self.on_finish: Callable[[Sequence], None] | None = None  # the driver's bookkeeping
         self.num_finished = 0
 
+    def _keep(self, trace: list[Any], item: object) -> int:
+        """Appends `item`; past `trace_limit` the older half is dropped (a long-running
+        server must not grow forever). Returns how many were dropped."""
+        trace.append(item)
+        if len(trace) <= self.trace_limit:
+            return 0
+        half = self.trace_limit // 2
+        del trace[:half]
+        return half
+
     def event(self, seq_id: str, kind: EventKind, at: float) -> None:
-        self.events.append(Event(seq_id, kind, at))
-        if len(self.events) > self.trace_limit:  # a long-running server must not grow forever
-            del self.events[: self.trace_limit // 2]
+        self._keep(self.events, Event(seq_id, kind, at))
 
     def iteration(self, record: IterationRecord) -> None:
-        self.iterations.append(record)
-        if len(self.iterations) > self.trace_limit:
-            half = self.trace_limit // 2
-            del self.iterations[:half]
-            self.num_dropped_iterations += half
+        self.num_dropped_iterations += self._keep(self.iterations, record)
 
-    def prefill_iteration(self, record: IterationRecord) -> None:
-        self.prefill_iterations.append(record)
-        if len(self.prefill_iterations) > self.trace_limit:
-            del self.prefill_iterations[: self.trace_limit // 2]
+    def record(self, step: Forward, lengths: list[int] | tuple[int, ...], forward_time: float,
+               schedule_time: float, num_prefill_tokens: int = 0, is_mixed: bool = False,
+               prefill_lengths: tuple[int, ...] = ()) -> None:
+        """Records one forward pass; a prefill instance's (`prefill_lengths`) apart."""
+        assert self.kv is not None, "records need the block ledger"
+        record = IterationRecord(
+            step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
+            max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
+            prefill_lengths)
+        if prefill_lengths:
+            self._keep(self.prefill_iterations, record)
+        else:
+            self.iteration(record)
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:
@@ -460,7 +514,7 @@ def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
 # pool has room (backpressure: no prefill starts while an offload waits for room).
 
 
-class PrefillCore:
+class PrefillCore(Core):
     """A waiting queue, a scratch KV store, and the prefilled seqs waiting for the pool."""
 
     def __init__(self, index: int, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
@@ -470,14 +524,7 @@ class PrefillCore:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
-
-    @property
-    def can_prefill(self) -> bool:
-        return bool(self.waiting) and not self.blocked
+        self.prefilling: list[Sequence] = []  # the forward in flight
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
@@ -487,6 +534,13 @@ class PrefillCore:
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
         self.waiting = deque(self.life.reap(list(self.waiting), now))
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        """Prefilled KV goes to the host pool first, one seq at a time; no prefill starts
+        while the pool is full (`pool_space` wakes the driver). Then the next prefill."""
+        if self.blocked and (move := self.next_offload(now)) is not None:
+            return [move]
+        return None if self.blocked or not self.waiting else self.forward(now)
 
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
@@ -498,30 +552,32 @@ class PrefillCore:
             if batch and seq.num_tokens > budget:
                 break
             if not self.kv.allocate(seq, self.name, seq.num_tokens):
-                break
+                if batch:
+                    break
+                # admission control makes this a bug
+                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
+                                 "prompt does not fit the prefill KV store", at=now)
+                continue
             batch.append(self.waiting.popleft())
             budget -= seq.num_tokens
         if not batch:
-            if self.waiting:  # admission control makes this a bug
-                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
-                                 "prompt does not fit the prefill KV store", at=now)
             return None
+        self.prefilling = batch
         for seq in batch:
             seq.status = SeqStatus.PREFILLING
             self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
 
     def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float) -> list[Move]:
+               logprobs: list[float | None], now: float, forward_time: float,
+               schedule_time: float) -> list[Move]:
         """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
         KV copies of the samples forked from these prompts (n > 1), which the driver carries
-        out before anything else, calling `forked` as each lands."""
+        out before anything else."""
         lengths = tuple(step.num_new_tokens)
-        self.life.prefill_iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=sum(lengths), min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=0.0, is_mixed=False,
-            blocks_used=self.kv.blocks_used(), prefill_lengths=lengths))
+        self.prefilling = []
+        self.life.record(step, lengths, forward_time, schedule_time, sum(lengths),
+                         prefill_lengths=lengths)
         forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
@@ -539,14 +595,12 @@ class PrefillCore:
                 self.blocked.append(seq)
         return forks
 
-    def forked(self, move: Move, now: float) -> None:
-        """A sample's copy of its prompt's KV landed: it waits to be offloaded too."""
-        self.blocked.append(move.seq)
-
-    def fail(self, step: Forward, error: str, now: float) -> None:
-        """The forward pass failed: its seqs end with an error."""
-        for seq in step.seqs:
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass (or an offload) failed: the prefilled seqs end with an error."""
+        for seq in (*self.prefilling, *self.blocked):
             self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.prefilling = []
+        self.blocked.clear()
 
     def next_offload(self, now: float) -> Move | None:
         """The next prefilled seq's move to the host pool; None when there is none or the
@@ -565,7 +619,12 @@ class PrefillCore:
         return None
 
     def landed(self, move: Move, now: float) -> None:
+        """An offload landed in the pool, or a sample's copy of its prompt's KV (then it
+        waits to be offloaded too)."""
         seq = move.seq
+        if move.src_ids is not None:
+            self.blocked.append(seq)
+            return
         seq.status = SeqStatus.POOLED
         self.life.event(seq.seq_id, "pooled", now)
         self.wiring.pooled(seq)
@@ -589,10 +648,13 @@ class Order:
     seqs: list[Sequence]
     index: int = 0
     moved: list[Sequence] = field(default_factory=list)
+    moving: Move | None = None  # its copy in flight
 
 
-class BatcherCore:
+class BatcherCore(Core):
     """Pooled seqs, the decode instances waiting for a batch, and their running windows."""
+
+    name = "batcher"
 
     def __init__(self, policy: Policy, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
                  num_decode_blocks: int, batch_kv_fraction: float,
@@ -610,9 +672,43 @@ class BatcherCore:
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
+        self.orders: list[Order] = []  # being staged
 
-    def __len__(self) -> int:
-        return len(self.seqs)
+    def step(self, now: float) -> list[Move] | None:
+        """The next staging copy of an order whose last copy has landed (an order all
+        staged is delivered), else the first of a new order; None when there is nothing to
+        do. A driver may copy for several orders at once (each link queues its own)."""
+        while True:
+            for order in self.orders:
+                if order.moving is None:
+                    order.moving = self.next_move(order, now)
+                    if order.moving is not None:
+                        return [order.moving]
+                    self.orders.remove(order)
+                    self.deliver(order, now)
+                    break
+            else:
+                order = self.next_order(now)
+                if order is None:
+                    return None
+                self.orders.append(order)
+
+    def _landing(self, move: Move) -> Order:
+        order = next(o for o in self.orders if o.moving is move)
+        order.moving = None
+        return order
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        self._landing(move)
+        super().failed(move, error, now)
+
+    def fail(self, error: str, now: float) -> None:
+        """The orders being staged end with an error."""
+        for order in self.orders:
+            for seq in order.seqs:
+                self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+            self.in_flight.discard(order.instance)
+        self.orders = []
 
     def add(self, seq: Sequence) -> None:
         """`seq`'s KV landed in the host pool: index it."""
@@ -710,10 +806,10 @@ class BatcherCore:
                     return move
         return None
 
-    def landed(self, order: Order, move: Move, now: float) -> None:
+    def landed(self, move: Move, now: float) -> None:
         move.seq.status = SeqStatus.STAGED
         self.life.event(move.seq.seq_id, "prefetched", now)
-        order.moved.append(move.seq)
+        self._landing(move).moved.append(move.seq)
 
     def deliver(self, order: Order, now: float) -> None:
         """Hands the staged order to its decode instance (aborted seqs end here)."""
@@ -734,12 +830,12 @@ class BatcherCore:
 # batch-level scheduling (release, evict, return to the pool, refill from candidate
 # requests, switch batches) as KV moves; then it names the seqs of the next iteration.
 #
-# A driver runs: `boundary` -> carry out its moves (`landed` / `failed` each) -> `settled`,
-# which returns the admissions' moves once the evictions have freed their room (carry out,
-# `settled` again until it returns none) -> `forward` -> run it -> `finish`.
+# `step` runs: `boundary` -> its moves -> the admissions' moves, once the evictions have
+# freed their room -> `forward` -> `finish`; an eviction for room instead, then a new
+# boundary.
 
 
-class DecodeCore:
+class DecodeCore(Core):
     """The running batch and its two candidate buffers."""
 
     def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
@@ -755,6 +851,7 @@ class DecodeCore:
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
+        self._then: str | None = None  # moves are out; once landed: "forward" or "boundary"
 
     @property
     def is_idle(self) -> bool:
@@ -783,11 +880,43 @@ class DecodeCore:
             self.want_sent = True
             self.wiring.want_batch(self.index)
 
+    def step(self, now: float) -> Forward | list[Move] | None:
+        """The boundary's moves; once they landed, the admissions' moves; once those landed,
+        the freed room is announced and the iteration follows. None while idle or waiting
+        for a batch."""
+        if (plan := self._admissions) is not None:
+            self._admissions = None
+            if plan.admit_batch:
+                self.current_batch_id = self.cand_batch_id
+            moves = self._admit(plan.admit_requests, self.cand_requests, now)
+            moves += self._admit(plan.admit_batch, self.cand_batch, now)
+            if not self.cand_batch:
+                self.ask_for_batch()
+            if moves:
+                return moves
+        if self._then is not None:
+            then, self._then = self._then, None
+            if "host" in self._freed:
+                self.wiring.pool_space()
+            if self.staging in self._freed:
+                self.wiring.staging_space()
+            self._freed.clear()
+            if then == "forward":
+                work = self.forward(now)
+                if isinstance(work, list) and work:  # an eviction: then a new boundary
+                    self._then = "boundary"
+                return work or None
+        if self.is_idle:
+            return None
+        moves = self.boundary(now)
+        self._then = "forward"
+        return moves or self.step(now)
+
     # -- the boundary ------------------------------------------------------------------
     def boundary(self, now: float) -> list[Move]:
         """Releases ended seqs and applies the policy's plan; returns the KV moves out of the
         running batch (evictions, returns to the pool), in order. The admissions follow
-        from `settled`, once these moves have freed their decode blocks."""
+        from `step`, once these moves have freed their decode blocks."""
         self.running = self.life.reap(self.running, now)
         self.cand_requests = self.life.reap(self.cand_requests, now)
         self.cand_batch = self.life.reap(self.cand_batch, now)
@@ -834,7 +963,7 @@ class DecodeCore:
             return [] if move is None else [move]
         self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
         seq.num_computed_tokens = 0
-        self.wiring.recompute(seq)
+        self.wiring.submit(seq, front=True)  # prefill it again, first in line
         return []
 
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
@@ -897,26 +1026,6 @@ class DecodeCore:
             self.running.remove(move.seq)
         self.life.fail_move(move, error, at=now)
 
-    def settled(self, now: float) -> list[Move]:
-        """The moves so far have landed: returns the planned admissions' moves (once), or
-        [] when the boundary is done, telling whom the freed room concerns."""
-        plan, self._admissions = self._admissions, None
-        if plan is not None:
-            if plan.admit_batch:
-                self.current_batch_id = self.cand_batch_id
-            moves = self._admit(plan.admit_requests, self.cand_requests, now)
-            moves += self._admit(plan.admit_batch, self.cand_batch, now)
-            if not self.cand_batch:
-                self.ask_for_batch()
-            if moves:
-                return moves
-        if "host" in self._freed:
-            self.wiring.pool_space()
-        if self.staging in self._freed:
-            self.wiring.staging_space(self.index)
-        self._freed.clear()
-        return []
-
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
         """The next iteration: every running seq whose KV can grow. If none can, evicts the
@@ -953,7 +1062,7 @@ class DecodeCore:
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> None:
+               schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
         lengths = step.lengths
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
@@ -961,13 +1070,10 @@ class DecodeCore:
             seq.num_computed_tokens = seq.num_tokens
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=0, min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=schedule_time,
-            is_mixed=len({s.batch_id == self.current_batch_id for s in step.seqs}) > 1,
-            blocks_used=self.kv.blocks_used()))
+        self.life.record(step, lengths, forward_time, schedule_time, is_mixed=len(
+            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
+        return []
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate
@@ -975,6 +1081,7 @@ class DecodeCore:
         for seq in self.running:
             self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
         self.running = []
+        self._then, self._admissions = None, None
 
 
 # -- colocated ------------------------------------------------------------------------
@@ -987,7 +1094,7 @@ def _arrival_order(seq: Sequence) -> tuple[float, str]:
     return seq.request.arrival_time, seq.seq_id
 
 
-class ColocatedCore:
+class ColocatedCore(Core):
     """A waiting queue (arrival order), a running batch, one KV cache."""
 
     def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
@@ -996,14 +1103,6 @@ class ColocatedCore:
         self.kv, self.life, self.scheduler = kv, life, scheduler
         self.waiting = SortedKeyList(key=_arrival_order)
         self.running: list[Sequence] = []
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.waiting or self.running)
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new request; `front` is accepted for symmetry (the queue is in arrival order)."""
@@ -1022,7 +1121,7 @@ class ColocatedCore:
         return ContinuousSeq(seq.seq_id, seq.num_tokens, seq.num_computed_tokens, num_blocks,
                              seq.request.arrival_time)
 
-    def forward(self, now: float) -> Forward | None:
+    def step(self, now: float) -> Forward | None:
         """This step's work from the scheduler, with its KV blocks; None when nothing fits.
 
         NOTE: only the first max_batch_size waiting seqs (arrival order) are shown: the
@@ -1066,7 +1165,7 @@ class ColocatedCore:
                schedule_time: float) -> list[Move]:
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
-        the driver carries out before the next step, calling `forked` as each lands."""
+        the driver carries out before the next step."""
         lengths = step.lengths
         num_prefill = 0
         forks: list[Move] = []
@@ -1088,15 +1187,11 @@ class ColocatedCore:
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.iteration(IterationRecord(
-            instance=self.name, start_time=step.start_time, batch_size=len(step.seqs),
-            num_prefill_tokens=num_prefill, min_len=min(lengths), max_len=max(lengths),
-            forward_time=forward_time, schedule_time=schedule_time, is_mixed=False,
-            blocks_used=self.kv.blocks_used()))
+        self.life.record(step, lengths, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 
-    def forked(self, move: Move, now: float) -> None:
+    def landed(self, move: Move, now: float) -> None:
         """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""
         self.running.append(move.seq)
 

@@ -23,27 +23,15 @@ import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from aserve.config import EngineConfig
-from aserve.core import SeqStatus, Sequence
-from aserve.cores import (
-    BatcherCore,
-    BlockLedger,
-    ColocatedCore,
-    DecodeCore,
-    Forward,
-    Lifecycle,
-    Move,
-    Order,
-    PrefillCore,
-    Wiring,
-)
+from aserve.core import Sequence
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
-from scheduler import ContinuousScheduler, Policy
+from scheduler import Policy
 from transport.copy import CopyEngine
 from transport.kv import KVGeometry, KVStore
 
@@ -77,19 +65,19 @@ class EngineContext:
 
 
 class Actor:
-    """One instance's driver: its core, a wake-up event and a run loop; subclasses
-    implement `act` (and `on_error`). With a `device`, the instance's KV store and model
-    runner."""
+    """One instance's driver: its core (any kind: the loop is the same), a wake-up event,
+    and with a `device` the instance's KV store and model runner. `run` does what the core
+    asks for, awaiting forwards and copies, and waits to be woken when it asks for nothing."""
 
-    def __init__(self, ctx: EngineContext, core: Any, name: str,
-                 device: str | None = None) -> None:
-        self.ctx, self.core, self.name = ctx, core, name
+    def __init__(self, ctx: EngineContext, core: Core, device: str | None = None) -> None:
+        self.ctx, self.core, self.name = ctx, core, core.name
         self.last_error: str | None = None
         self.num_errors = 0
         self._woken = asyncio.Event()
         self._stopping = False
+        self._decided = 0.0  # seconds of decisions since the last forward (schedule_time)
         if device is not None:
-            self.store = ctx.kv[name]
+            self.store = ctx.kv[core.name]
             self.runner = ctx.runners[device]
 
     def wake(self) -> None:
@@ -100,28 +88,30 @@ class Actor:
         self._stopping = True
         self._woken.set()
 
-    @property
-    def has_work(self) -> bool:
-        """Whether `act` has something to do now (else the loop waits to be woken)."""
-        return False
-
     async def run(self) -> None:
-        while True:
-            if not self.has_work:
-                await self._woken.wait()
+        while not self._stopping:
             self._woken.clear()
-            if self._stopping:
-                return
             try:
                 await self.act()
             except Exception as exc:  # the actor's boundary: log, fail what it held, go on
-                self.on_error(self.record_error(exc))
+                self.core.fail(self.record_error(exc), self.ctx.now())
 
     async def act(self) -> None:
-        """Does what the core asks for now, awaiting forwards and copies."""
-
-    def on_error(self, error: str) -> None:
-        """Fails what the actor held when `act` raised."""
+        """Does what the core asks for next (a forward, then the copies `finish` returns;
+        or copies, one after another), or waits to be woken when it asks for nothing."""
+        start = self.ctx.now()
+        work = self.core.step(start)
+        self._decided += self.ctx.now() - start
+        if work is None:
+            await self._woken.wait()
+            return
+        if isinstance(work, Forward):
+            result = await self.forward(work)
+            work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.now(),
+                                    result.forward_time, self._decided)
+            self._decided = 0.0
+        for move in work:
+            await self.carry_out(move)
 
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
@@ -137,187 +127,28 @@ class Actor:
                  for s, n in zip(step.seqs, step.num_new_tokens)]
         return await self.runner.execute(items, self.store.tensor)
 
-    async def wait(self) -> None:
-        """Nothing can run now: waits to be woken instead of spinning."""
-        await self._woken.wait()
-
-    async def carry_out(self, move: Move, landed: Callable[[Move, float], None],
-                        failed: Callable[[Move, str, float], None] | None = None) -> None:
-        """Copies one KV move, then tells its core: `landed(move, now)`, or on a failed
-        copy `failed(move, error, now)` (by default that seq alone ends with an error)."""
+    async def carry_out(self, move: Move) -> None:
+        """Copies one KV move, then tells the core it `landed` (or `failed`)."""
         try:
             await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
-            error = self.record_error(exc)
-            if failed is None:
-                self.ctx.life.fail_move(move, error, at=self.ctx.now())
-            else:
-                failed(move, error, self.ctx.now())
+            self.core.failed(move, self.record_error(exc), self.ctx.now())
             return
-        landed(move, self.ctx.now())
-
-    async def carry_out_forks(self, forks: list[Move],
-                              landed: Callable[[Move, float], None]) -> None:
-        """Copies the KV of the samples forked from a prefill (n > 1), before anything else
-        runs on this instance's store; a sample whose copy fails ends alone with an error."""
-        for move in forks:
-            await self.carry_out(move, landed)
-
-
-class PrefillActor(Actor):
-    """One prefill instance: packed prefill in the device's worker thread, then each
-    request's KV is copied to the host pool (backpressure when full)."""
-
-    def __init__(self, ctx: EngineContext, index: int) -> None:
-        core = PrefillCore(index, ctx.kv, ctx.life, ctx.wiring,
-                           ctx.config.scheduler.max_prefill_tokens)
-        super().__init__(ctx, core, core.name, ctx.config.prefill_devices[index])
-
-    @property
-    def has_work(self) -> bool:
-        return self.core.can_prefill
-
-    async def act(self) -> None:
-        if not await self.offload() or not self.core.can_prefill:
-            return
-        step = self.core.forward(self.ctx.now())
-        if step is None:
-            return
-        try:
-            result = await self.forward(step)
-        except Exception as exc:
-            self.core.fail(step, self.record_error(exc), self.ctx.now())
-            return
-        forks = self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
-                                 result.forward_time)
-        await self.carry_out_forks(forks, self.core.forked)
-        await self.offload()
-
-    async def offload(self) -> bool:
-        """Copies prefilled KV to the host pool, in order; False while the pool is full."""
-        while (move := self.core.next_offload(self.ctx.now())) is not None:
-            await self.carry_out(move, self.core.landed)
-        return not self.core.blocked
-
-    def on_error(self, error: str) -> None:
-        for seq in self.core.blocked:
-            self.ctx.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=self.ctx.now())
-        self.core.blocked.clear()
-
-
-class BatcherActor(Actor):
-    """The host pool and the batch generator: stages each order seq by seq into the decode
-    instance's staging buffer on the prefill device (host -> device copies), then delivers
-    it. The pool's bookkeeping is applied by the wiring as it happens, never queued behind
-    a staging copy."""
-
-    def __init__(self, ctx: EngineContext) -> None:
-        sched = ctx.config.scheduler
-        super().__init__(ctx, BatcherCore(ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                                          ctx.config.cache.num_decode_blocks,
-                                          sched.batch_kv_fraction, sched.max_batch_size),
-                         "batcher")
-        self.order: Order | None = None  # the order being staged
-
-    async def act(self) -> None:
-        while (order := self.core.next_order(self.ctx.now())) is not None:
-            self.order = order
-            while (move := self.core.next_move(order, self.ctx.now())) is not None:
-                await self.carry_out(move, partial(self.core.landed, order))
-            self.core.deliver(order, self.ctx.now())
-            self.order = None
-
-    def on_error(self, error: str) -> None:
-        if self.order is not None:
-            for seq in self.order.seqs:
-                self.ctx.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=self.ctx.now())
-            self.core.in_flight.discard(self.order.instance)
-            self.order = None
-
-
-class DecodeActor(Actor):
-    """One decode instance. Each iteration: boundary (the policy's plan) -> its KV copies,
-    awaited in order -> the forward in the device's worker thread -> one token per running
-    request."""
-
-    def __init__(self, ctx: EngineContext, index: int) -> None:
-        core = DecodeCore(index, ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                          ctx.config.scheduler.max_batch_size)
-        super().__init__(ctx, core, core.name, ctx.config.decode_devices[index])
-
-    @property
-    def has_work(self) -> bool:
-        return not self.core.is_idle
-
-    async def act(self) -> None:
-        if self.core.is_idle:
-            return
-        start = self.ctx.now()
-        moves = self.core.boundary(start)
-        schedule_time = self.ctx.now() - start  # the decision, not the copies carrying it out
-        await self.carry_out_all(moves)
-        step = self.core.forward(self.ctx.now())
-        if isinstance(step, list):  # nothing could run: an eviction, or wait for a batch
-            await self.carry_out_all(step)
-            if not step:
-                await self.wait()
-            return
-        result = await self.forward(step)
-        self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
-                         result.forward_time, schedule_time)
-
-    async def carry_out_all(self, moves: list[Move]) -> None:
-        """Copies `moves`, then the admissions the core asks for once they landed."""
-        while True:
-            for move in moves:
-                await self.carry_out(move, self.core.landed, self.core.failed)
-            moves = self.core.settled(self.ctx.now())
-            if not moves:
-                return
-
-    def on_error(self, error: str) -> None:  # the running batch fails, the buffers survive
-        self.core.fail(error, self.ctx.now())
-
-
-class ContinuousActor(Actor):
-    """One colocated instance (the `continuous` baseline, vLLM / Orca): prefill and decode
-    on one device, chunked prefill mixed into decode steps, no pool."""
-
-    def __init__(self, ctx: EngineContext, index: int) -> None:
-        sched = ctx.config.scheduler
-        core = ColocatedCore(index, ctx.kv, ctx.life, ContinuousScheduler(
-            sched.max_prefill_tokens, sched.max_batch_size, ctx.kv.block_size))
-        super().__init__(ctx, core, core.name, ctx.config.decode_devices[index])
-
-    @property
-    def has_work(self) -> bool:
-        return not self.core.is_idle
-
-    async def act(self) -> None:
-        start = self.ctx.now()
-        step = self.core.forward(start)
-        if step is None:  # nothing fits: wait, never spin
-            await self.wait()
-            return
-        schedule_time = self.ctx.now() - start
-        result = await self.forward(step)
-        forks = self.core.finish(step, result.token_ids, result.logprobs, self.ctx.now(),
-                                 result.forward_time, schedule_time)
-        await self.carry_out_forks(forks, self.core.forked)
-
-    def on_error(self, error: str) -> None:  # the running batch fails, the queue survives
-        self.core.fail(error, self.ctx.now())
+        self.core.landed(move, self.ctx.now())
 
 
 def build_actors(ctx: EngineContext) -> list[Actor]:
-    """The actors of `ctx`'s policy, wired to one another; returns them all."""
-    num_prefill, num_decode = len(ctx.config.prefill_devices), len(ctx.config.decode_devices)
-    if not ctx.policy.uses_pool:
-        return ctx.wiring.connect(  # type: ignore[return-value]
-            [], None, [ContinuousActor(ctx, j) for j in range(num_decode)])
-    return ctx.wiring.connect(  # type: ignore[return-value]
-        [PrefillActor(ctx, i) for i in range(num_prefill)], BatcherActor(ctx),
-        [DecodeActor(ctx, j) for j in range(num_decode)])
+    """The actors of `ctx`'s policy, wired to one another; returns them all. NOTE: the
+    batcher stages one order at a time, awaiting each copy."""
+    cfg = ctx.config
+    devices = {"prefill": cfg.prefill_devices, "decode": cfg.decode_devices}
+
+    def drive(core: Core) -> Actor:
+        kind = core.name.rstrip("0123456789")
+        return Actor(ctx, core, devices[kind][core.index] if kind in devices else None)
+
+    return ctx.wiring.connect(drive, ctx.policy, ctx.kv, ctx.life,  # type: ignore[return-value]
+                              cfg.scheduler, len(cfg.prefill_devices), len(cfg.decode_devices))
 
 
 class KVSpace(BlockLedger):

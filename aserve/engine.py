@@ -180,7 +180,7 @@ class Engine:
             raise ValueError(f"{field}: prompt ({len(ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds the model's context "
                              f"({ctx.max_model_len})")
-        self._check_fits(len(ids), total)
+        self._check_fits(total)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -197,7 +197,7 @@ class Engine:
             blocks.append(cache.num_prefill_blocks)
         return min(ctx.max_model_len, min(blocks) * cache.block_size)
 
-    def _check_fits(self, prompt_len: int, total: int) -> None:
+    def _check_fits(self, total: int) -> None:
         cache, kv = self.config.cache, self._context.kv
         limits = [("num_decode_blocks", cache.num_decode_blocks)]
         if self._context.policy.uses_pool:

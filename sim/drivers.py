@@ -9,25 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from aserve.core import SeqStatus
-from aserve.cores import (
-    BatcherCore,
-    BlockLedger,
-    ColocatedCore,
-    DecodeCore,
-    Forward,
-    Lifecycle,
-    Move,
-    Order,
-    PrefillCore,
-    Wiring,
-)
-from scheduler import ContinuousScheduler, Policy
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring
+from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
-from sim.loop import Callback, Device, EventLoop, Link, SimActor
+from sim.loop import Device, EventLoop, Link
 from transport.blocks import BlockAllocator
 
 
@@ -63,35 +51,18 @@ class SimContext:
                                for name, n in sizes.items()}, cfg.block_size)
         self.life = Lifecycle(self.kv, eos_token_id=-1, record_tokens=self.record_tokens)
 
-    def decide(self, call: Callable, *args: object) -> object:  # type: ignore[type-arg]
-        """Runs one core decision, adding its real time to `policy_time`."""
-        began = time.perf_counter()
-        result = call(*args)
-        self.policy_time += time.perf_counter() - began
-        return result
+    def forward_time(self, step: Forward) -> float:
+        """The cost model's seconds for `step`: prefill chunks and decode tokens."""
+        prefill = [s.status == SeqStatus.PREFILLING for s in step.seqs]
+        return self.cost.iteration_time(
+            [s.num_tokens for s, p in zip(step.seqs, prefill) if not p],
+            [(s.num_computed_tokens, n)
+             for s, n, p in zip(step.seqs, step.num_new_tokens, prefill) if p])
 
     def device(self, name: str) -> Device:
         if name not in self.devices:
             self.devices[name] = Device(name)
         return self.devices[name]
-
-    def link(self, name: str, bandwidth: float, device: str = "") -> Link:
-        """The link `name`; on a CPU (`not hardware.is_gpu`) its copies occupy `device`'s
-        compute timeline, as the engine runs CPU-to-CPU copies in the device's thread."""
-        if name not in self.links:
-            on = self.device(device) if device and not self.cost.hardware.is_gpu else None
-            self.links[name] = Link(name, bandwidth, on)
-        return self.links[name]
-
-    def host_link(self, device: str, direction: str) -> Link:
-        """`direction` is "h2d" or "d2h"; one PCIe link per device."""
-        return self.link(f"{device}.{direction}", self.cost.hardware.host_link_bandwidth, device)
-
-    def peer_link(self, src: str, dst: str) -> Link:
-        """Device-to-device copies (NVLink); a plain memcpy when both are one device."""
-        hw = self.cost.hardware
-        bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        return self.link(f"{src}->{dst}", bandwidth, src)
 
     def device_of(self, store: str) -> str:
         """The device a KV store lives on (staging j on prefill device j mod P)."""
@@ -101,12 +72,22 @@ class SimContext:
         return cfg.prefill_devices[index % len(cfg.prefill_devices)]
 
     def link_for(self, move: Move) -> Link:
-        """Host moves use the device's PCIe link, device moves the device link."""
-        if move.dst == "host":
-            return self.host_link(self.device_of(move.src), "d2h")
+        """Host moves use the device's PCIe link, one per direction; device moves the device
+        link (NVLink), or a plain memcpy within one device. On a CPU (`not hardware.is_gpu`)
+        the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
+        copies in the device's thread."""
+        hw = self.cost.hardware
+        src, dst = self.device_of(move.src), self.device_of(move.dst)
         if move.src == "host":
-            return self.host_link(self.device_of(move.dst), "h2d")
-        return self.peer_link(self.device_of(move.src), self.device_of(move.dst))
+            device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
+        elif move.dst == "host":
+            device, name, bandwidth = src, f"{src}.d2h", hw.host_link_bandwidth
+        else:
+            device, name = src, f"{src}->{dst}"
+            bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
+        if name not in self.links:
+            self.links[name] = Link(name, bandwidth, None if hw.is_gpu else self.device(device))
+        return self.links[name]
 
     def copy(self, move: Move, then: Callable[[Move, float], None]) -> float:
         """Moves `move`'s blocks over its link from now; at arrival the ledger commits it
@@ -123,181 +104,101 @@ class SimContext:
         return landed
 
 
-class Instance(SimActor):
-    """One simulated instance: its core, on its device's compute timeline."""
+class Instance:
+    """One simulated instance: its core (any kind: the loop is the same), on its device's
+    compute timeline. `wake()` is a message arriving: the instance acts once the current
+    callback ends, or, when busy, once its work is done."""
 
-    def __init__(self, ctx: SimContext, core: Any, device: str | None = None) -> None:
-        super().__init__(ctx.loop)
-        self.ctx, self.core = ctx, core
+    def __init__(self, ctx: SimContext, core: Core, device: str | None = None) -> None:
+        self.ctx, self.core, self.loop = ctx, core, ctx.loop
         self.device = ctx.device(device) if device is not None else None
-
-    def compute(self, duration: float, then: Callback) -> None:
-        """Busy for `duration` seconds of the device (after what it already runs), then
-        `then()`."""
-        assert self.device is not None, "only instances on a device compute"
-        self.is_busy = True
-        end = self.device.run(self.loop.now, duration)[1]
-        self.loop.at(end, then)
-
-    def finish(self, step: Forward, *times: float) -> None:
-        """Hands the core the step's outputs (token 0 for every seq it samples for, no
-        logprobs) and lands the forks it returns at once: a copy within one device that
-        the cost model does not price (simulated workloads have no n > 1)."""
-        tokens = [0 if s.num_computed_tokens + n == s.num_tokens else None
-                  for s, n in zip(step.seqs, step.num_new_tokens)]
-        forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now, *times)
-        for move in forks or ():
-            self.ctx.kv.commit(move, self.loop.now, self.loop.now)
-            self.core.forked(move, self.loop.now)
-
-
-class PrefillInstance(Instance):
-    """One prefill device: packed prefills, then offloads one by one over its PCIe link (it
-    is busy until the last lands, as the engine awaits each move)."""
-
-    def __init__(self, ctx: SimContext, index: int) -> None:
-        super().__init__(ctx, PrefillCore(index, ctx.kv, ctx.life, ctx.wiring,
-                                          ctx.config.scheduler.max_prefill_tokens),
-                         ctx.config.prefill_devices[index])
-
-    def act(self) -> None:
-        if self.core.blocked:
-            move = self.core.next_offload(self.loop.now)
-            if move is not None:
-                self.finish_at(self.ctx.copy(move, self.core.landed))
-            if self.core.blocked or move is not None:
-                return  # the pool is full (pool_space wakes it), or a copy is in flight
-        step = self.ctx.decide(self.core.forward, self.loop.now) if self.core.can_prefill else None
-        if step is not None:
-            duration = self.ctx.cost.prefill_time(step.num_new_tokens)
-            self.compute(duration, partial(self._done, step, duration))
-
-    def _done(self, step: Forward, duration: float) -> None:
-        self.finish(step, duration)
         self.is_busy = False
-        self.act()
-
-
-class Batcher(Instance):
-    """Stages each order seq by seq over the prefill device's PCIe link, then delivers it.
-
-    NOTE: orders for different instances overlap (each link queues its own copies), as in
-    the paper. The engine's BatcherActor awaits each order before the next decision, which
-    at paper scale would make one PCIe link the bound of the whole cluster.
-    """
-
-    def __init__(self, ctx: SimContext) -> None:
-        cfg = ctx.config
-        super().__init__(ctx, BatcherCore(ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                                          cfg.num_decode_blocks, cfg.scheduler.batch_kv_fraction,
-                                          cfg.scheduler.max_batch_size))
-
-    def act(self) -> None:
-        while (order := self.ctx.decide(self.core.next_order, self.loop.now)) is not None:
-            self._stage(order)  # type: ignore[arg-type]
-
-    def _stage(self, order: Order, *landed: object) -> None:
-        move = self.core.next_move(order, self.loop.now)
-        if move is None:
-            self.core.deliver(order, self.loop.now)
-            return
-        self.ctx.copy(move, lambda m, t: (self.core.landed(order, m, t), self._stage(order)))
-
-
-class DecodeInstance(Instance):
-    """One decode device. A boundary's copies land one after another (the engine awaits
-    each), then the forward runs for the cost model's time."""
-
-    def __init__(self, ctx: SimContext, index: int) -> None:
-        super().__init__(ctx, DecodeCore(index, ctx.policy, ctx.kv, ctx.life, ctx.wiring,
-                                         ctx.config.scheduler.max_batch_size),
-                         ctx.config.decode_devices[index])
-        self._missed_wake = False
+        self._is_woken = False  # a wake is scheduled, or came while busy
+        self._decided = 0.0  # real seconds of decisions since the last forward
 
     def wake(self) -> None:
-        if self.is_busy:
-            self._missed_wake = True  # acted on when the boundary's copies have landed
-        else:
-            super().wake()
+        if not self._is_woken:
+            self._is_woken = True
+            if not self.is_busy:
+                self.loop.soon(self._on_wake)
+
+    def _on_wake(self) -> None:
+        self._is_woken = False
+        if not self.is_busy:
+            self.act()
 
     def act(self) -> None:
-        if not self.core.is_idle:
-            start = self.loop.now
-            moves = self.ctx.decide(self.core.boundary, start)
-            self._carry_out(moves, partial(self._forward, start))  # type: ignore[arg-type]
+        """Does what the core asks for until it asks for nothing or its device is busy. A
+        forward runs for the cost model's time; copies land one after another, except the
+        batcher's (no device): orders for different instances overlap, each link queuing
+        its own copies, as in the paper.
 
-    def _carry_out(self, moves: list[Move], then: Callback) -> None:
-        """Copies `moves` one after another, then the admissions the core asks for once
-        they landed, then calls `then`."""
-        if not moves:
-            moves = self.core.settled(self.loop.now)
-            if not moves:
-                then()
+        NOTE: the engine's batcher awaits each order before the next decision, which at
+        paper scale would make one PCIe link the bound of the whole cluster.
+        """
+        self.is_busy = False
+        while True:
+            began = time.perf_counter()
+            work = self.core.step(self.loop.now)
+            spent = time.perf_counter() - began
+            self._decided += spent
+            self.ctx.policy_time += spent
+            if work is None:
+                if self._is_woken:  # woken while busy
+                    self._is_woken = False
+                    self.wake()
                 return
-        self.is_busy = True
+            if isinstance(work, Forward):
+                assert self.device is not None, "only instances on a device compute"
+                self.is_busy = True
+                duration = self.ctx.forward_time(work)
+                end = self.device.run(self.loop.now, duration)[1]
+                self.loop.at(end, partial(self._finish, work, duration))
+                return
+            if self.device is not None:
+                self.is_busy = True
+                self._copy(work)
+                return
+            for move in work:
+                self.ctx.copy(move, self._landed)
+
+    def _landed(self, move: Move, now: float) -> None:
+        self.core.landed(move, now)
+        self.act()
+
+    def _copy(self, moves: list[Move]) -> None:
+        """Copies `moves` one after another (the engine awaits each), then acts again."""
+        if not moves:
+            self.act()
+            return
 
         def landed(move: Move, now: float) -> None:
             self.core.landed(move, now)
-            self._carry_out(moves[1:], then)
+            self._copy(moves[1:])
 
         self.ctx.copy(moves[0], landed)
 
-    def _forward(self, start: float) -> None:
-        self.is_busy = False
-        step = self.core.forward(self.loop.now)
-        if isinstance(step, list):  # nothing could run: an eviction, or wait for a batch
-            if step:
-                self._carry_out(step, self._resume)
-            elif self._missed_wake:
-                self._missed_wake = False
-                self.wake()
-            return
-        forward_time = self.ctx.cost.iteration_time(step.lengths)
-        self.compute(forward_time, partial(self._done, step, forward_time,
-                                           self.loop.now - start))
-
-    def _done(self, step: Forward, forward_time: float, schedule_time: float) -> None:
-        self.finish(step, forward_time, schedule_time)
-        self._resume()
-
-    def _resume(self) -> None:
-        self.is_busy = False
-        self.act()
-
-
-class ColocatedInstance(Instance):
-    """One device of the `continuous` baseline."""
-
-    def __init__(self, ctx: SimContext, index: int) -> None:
-        cfg = ctx.config
-        super().__init__(ctx, ColocatedCore(index, ctx.kv, ctx.life, ContinuousScheduler(
-            cfg.scheduler.max_prefill_tokens, cfg.scheduler.max_batch_size, cfg.block_size)),
-                         cfg.colocated_devices[index])
-
-    def act(self) -> None:
-        if self.core.is_idle:
-            return
-        step = self.ctx.decide(self.core.forward, self.loop.now)
-        if step is None:
-            return  # nothing fits: wait for the next arrival
-        decode = [s.num_tokens for s in step.seqs if s.status == SeqStatus.DECODING]  # type: ignore[attr-defined]
-        chunks = [(s.num_computed_tokens, n) for s, n in zip(step.seqs, step.num_new_tokens)  # type: ignore[attr-defined]
-                  if s.status == SeqStatus.PREFILLING]
-        forward_time = self.ctx.cost.iteration_time(decode, chunks)
-        self.compute(forward_time, partial(self._done, step, forward_time))
-
-    def _done(self, step: Forward, forward_time: float) -> None:
-        self.finish(step, forward_time, 0.0)
-        self.is_busy = False
-        self.act()
+    def _finish(self, step: Forward, duration: float) -> None:
+        """Hands the core the step's outputs: token 0 for every seq it samples for, no
+        logprobs."""
+        tokens = [0 if s.num_computed_tokens + n == s.num_tokens else None
+                  for s, n in zip(step.seqs, step.num_new_tokens)]
+        forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now,
+                                 duration, self._decided)
+        self._decided = 0.0
+        self._copy(forks)
 
 
 def build_instances(ctx: SimContext) -> list[Instance]:
     """The simulated instances of `ctx`'s policy, wired to one another; returns them all."""
     cfg = ctx.config
-    if not ctx.policy.uses_pool:
-        return ctx.wiring.connect(  # type: ignore[return-value]
-            [], None, [ColocatedInstance(ctx, k) for k in range(len(cfg.colocated_devices))])
-    return ctx.wiring.connect(  # type: ignore[return-value]
-        [PrefillInstance(ctx, i) for i in range(len(cfg.prefill_devices))], Batcher(ctx),
-        [DecodeInstance(ctx, j) for j in range(len(cfg.decode_devices))])
+    uses_pool = ctx.policy.uses_pool
+    devices = {"prefill": cfg.prefill_devices,
+               "decode": cfg.decode_devices if uses_pool else cfg.colocated_devices}
+
+    def drive(core: Core) -> Instance:
+        kind = core.name.rstrip("0123456789")
+        return Instance(ctx, core, devices[kind][core.index] if kind in devices else None)
+
+    return ctx.wiring.connect(drive, ctx.policy, ctx.kv, ctx.life,  # type: ignore[return-value]
+                              cfg.scheduler, len(cfg.prefill_devices), len(devices["decode"]))

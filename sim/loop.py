@@ -1,4 +1,4 @@
-"""The simulator's machinery: a heapq event loop, simulated actors, links and devices.
+"""The simulator's machinery: a heapq event loop, simulated links and devices.
 
 Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
 `scheduler/`), no costs (that is `sim.cost`). Events at the same time run in the order they
@@ -46,41 +46,6 @@ class EventLoop:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-
-class SimActor:
-    """An actor on the simulated clock: `wake()` is a message arriving, `act()` its handler.
-
-    A woken actor acts once the current callback ends, unless it is busy; a busy actor acts
-    again when its work is done (`finish_at`, or its own completion callback).
-    """
-
-    def __init__(self, loop: EventLoop) -> None:
-        self.loop = loop
-        self.is_busy = False
-        self._is_woken = False
-
-    def wake(self) -> None:
-        if not self._is_woken and not self.is_busy:
-            self._is_woken = True
-            self.loop.soon(self._on_wake)
-
-    def act(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement act()")
-
-    def finish_at(self, time: float) -> None:
-        """Busy until `time`, then act again."""
-        self.is_busy = True
-        self.loop.at(time, self._on_finish)
-
-    def _on_wake(self) -> None:
-        self._is_woken = False
-        if not self.is_busy:
-            self.act()
-
-    def _on_finish(self) -> None:
-        self.is_busy = False
-        self.act()
 
 
 class Link:

@@ -44,8 +44,7 @@ class SimResult:
         return summarize(self.system, self.events, self.iterations, ttft_target, tpot_target)
 
 
-def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
-               uses_staging: bool) -> None:
+def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool) -> None:
     """Every request must fit the stores it passes through, or the run could never end.
 
     Raises:
@@ -54,7 +53,7 @@ def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool,
     block = config.block_size
     # NOTE: as in the engine, a request above the batch share of decode KV gets the whole
     # cache, and one larger than the staging buffer stays in the host pool until admitted
-    # (so `uses_staging` sets no limit).
+    # (so staging sets no limit).
     limits = [("num_decode_blocks", config.num_decode_blocks)]
     if uses_pool:
         limits += [("num_prefill_blocks", config.num_prefill_blocks),
@@ -84,7 +83,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     policy = get_policy(system, config.policy_config(tree_range(max(MIN_TREE_RANGE,
                                                                      longest + 1))),
                         cost.iteration_time)
-    check_fits(workload, config, policy.uses_pool, policy.uses_staging)
+    check_fits(workload, config, policy.uses_pool)
     ctx = SimContext(config, cost, policy, record_tokens)
     build_instances(ctx)
     for req in workload.requests:
