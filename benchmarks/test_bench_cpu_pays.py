@@ -11,11 +11,13 @@ decode KV holds about `BATCH_REQUESTS` median requests, so the pool needs >= 4x 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from benchmarks.test_bench_engine import run_cli
+from bench.workloads import synthetic
+from benchmarks.test_bench_engine import RESULTS, run_cli
 
 pytestmark = pytest.mark.bench
 
@@ -73,3 +75,46 @@ def test_no_bubble_regime_fig7_sweep(tmp_path: Path) -> None:
     for workload in dict.fromkeys(r["workload"] for r in results):
         got = ratios(doc, workload)
         assert min(got["vs fcfs"], got["vs continuous"]) >= NO_BUBBLE_FLOOR, workload
+
+
+# A scaled-down padded run measured idle (24 requests of 64 tokens, decode KV of 90 blocks);
+# its iteration records calibrate the simulator's padded cost model for this CPU.
+SCALED_DOWN_RECORDS = RESULTS / "issue15_padded_idle.iterations"
+
+
+def test_bubble_regime_predicted() -> None:
+    """The simulator (the engine's own cores and policies, on the cost model fitted to the
+    scaled-down run's records) predicts the issue's full-size bubble regime in seconds: a
+    check of the policies' decisions at full size before the half-hour engine run."""
+    from sim import CostModel, get_geometry, simulate
+    from sim.calibrate import load_records
+    from sim.hardware import get_hardware
+    from sim.validate import calibration_from_header, cluster_for_bench
+
+    header: dict[str, object] = {}
+    records: list[dict[str, object]] = []
+    for path in sorted(SCALED_DOWN_RECORDS.glob("*.jsonl")):
+        if "continuous" in path.name:  # colocated steps: prefill and decode in one forward
+            continue
+        head, recs = load_records(path)
+        header.update(head)
+        records += recs  # decode steps and prefill steps (which fit the FLOP rate)
+    calibration = calibration_from_header({**header, "attention": "padded"}, records)
+    print(f"\npadded model fitted on {calibration.num_records} records, median error "
+          f"{calibration.median_rel_error:.1%}: {calibration.params}")
+    hw = replace(get_hardware(calibration.hardware), dtype_bytes=calibration.dtype_bytes)
+    cost = CostModel(get_geometry(calibration.model), hw, calibration.params, "padded")
+    workload = synthetic(NUM_REQUESTS, short_ratio=0.9, short_range=(32, 256),
+                         long_range=(512, 1024), output_range=128, seed=0)
+    config = cluster_for_bench(header, workload, batch_requests=BATCH_REQUESTS)
+    assert config.num_host_blocks >= MIN_POOL_RATIO * config.num_decode_blocks
+    by = {}
+    for system in SYSTEMS:
+        by[system] = simulate(workload, system, config, cost).summary()
+        s = by[system]
+        print(f"{system:15} {s.decode_throughput:6.1f} tok/s  P99 TPOT {s.tpot_p99:6.3f} s  "
+              f"mixed {s.mixed_iteration_share:.0%}  simulated {s.duration:.0f} s")
+    aligned = by["aligned"]
+    assert aligned.decode_throughput >= BUBBLE_VS_FCFS * by["fcfs"].decode_throughput
+    assert aligned.decode_throughput >= BUBBLE_VS_CONTINUOUS * by["continuous"].decode_throughput
+    assert by["fcfs"].tpot_p99 >= BUBBLE_TPOT_P99 * aligned.tpot_p99
