@@ -44,8 +44,12 @@ class AlignedPolicy(AlignedStrictPolicy):
         # model, its version (``num_fits``: a driver may refit it) and the slots
         self._line: tuple[float, float] | None = None
         self._line_key: tuple[object, ...] = ()
-        # per decision: the running seqs' waste as admissions grow them (size, waste)
+        # per decision: the running seqs' waste as admissions grow them (size, waste), the
+        # last candidate's (the running seqs' next, if it is admitted), and the step times
+        # asked so far (the same lengths are costed by several rules)
         self._running_waste: tuple[int, float] = (-1, 0.0)
+        self._joined_waste: tuple[int, float] = (-1, 0.0)
+        self._times: dict[tuple[int, ...], float] = {}
 
     def _begin(self, slots: int) -> None:
         """A decision starts: its cost figures are taken afresh where the model changed."""
@@ -53,7 +57,16 @@ class AlignedPolicy(AlignedStrictPolicy):
         key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
         if key != self._line_key:
             self._line, self._line_key = None, key
-        self._running_waste = (-1, 0.0)
+        self._running_waste = self._joined_waste = (-1, 0.0)
+        self._times = {}
+
+    def _time(self, lengths: Sequence[int]) -> float:
+        """``step_time`` within one decision, each batch costed once."""
+        key = tuple(lengths)
+        time = self._times.get(key)
+        if time is None:
+            time = self._times[key] = self.step_time(key)
+        return time
 
     def ideal(self, length: float) -> float:
         """Predicted step time per token in a full batch of seqs of one ``length``: linear
@@ -80,7 +93,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not lengths:
             return 0.0
         n = len(lengths)
-        return self.step_time(lengths) / n - self.ideal(sum(lengths) / n)
+        return self._time(lengths) / n - self.ideal(sum(lengths) / n)
 
     def _less_waste(self, waste: float, than: float) -> bool:
         """Whether waste ``waste`` is less than ``than``, beyond rounding."""
@@ -165,17 +178,17 @@ class AlignedPolicy(AlignedStrictPolicy):
         self._begin(view.max_batch_size)
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
-        victims = [*sorted(old, key=lambda s: -s.length), *sorted(current, key=lambda s: -s.length)]
         if (self.is_starving(view, view.candidate_requests)
                 or self.is_starving(view, view.candidate_batch)):
             return super().plan_boundary(view)
-        evict = plan_evictions(view, victims)
+        evict = plan_evictions(view, lambda: [*sorted(old, key=lambda s: -s.length),
+                                              *sorted(current, key=lambda s: -s.length)])
         if evict:
             return BoundaryPlan(evict=evict)
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
         running = [s.length for s in view.running]
-        if not batch or mixing_pays(self.step_time, running, [s.length for s in batch]):
+        if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
             return plan_admissions(view, requests, batch, is_strict=False,
                                    accepts=self._lowers_waste)
         plan = plan_admissions(view, requests, [], is_strict=False,
@@ -186,15 +199,19 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
-        ``lengths`` only grows within one decision (admitted seqs join it), so its waste is
-        computed once per size."""
+        ``lengths`` only grows within one decision (admitted seqs join it, one at a time),
+        so its waste is computed once per size, and after an admission it is the waste
+        last computed with the candidate."""
         if not lengths:
             return True
         size, waste = self._running_waste
         if size != len(lengths):
-            waste = self.waste(lengths)
-            self._running_waste = (len(lengths), waste)
-        return not self._less_waste(waste, self.waste([*lengths, seq.length]))
+            size, waste = (self._joined_waste if self._joined_waste[0] == len(lengths)
+                           else (len(lengths), self.waste(lengths)))
+            self._running_waste = (size, waste)
+        joined = self.waste([*lengths, seq.length])
+        self._joined_waste = (size + 1, joined)
+        return not self._less_waste(waste, joined)
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
                    unswitched: BoundaryPlan) -> BoundaryPlan:
@@ -205,7 +222,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         lengths = [s.length for s in batch]
         stale = [s for s in view.running
                  if self.may_return(view, s)
-                 and not mixing_pays(self.step_time, lengths, [s.length])]
+                 and not mixing_pays(self._time, lengths, [s.length])]
         stale_ids = {s.seq_id for s in stale}
         kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
         freed = sum(s.num_blocks for s in stale)
