@@ -17,6 +17,7 @@ from scheduler.batching import (
     BoundaryView,
     SeqView,
     by_arrival,
+    ceil_div,
     plan_admissions,
     plan_evictions,
 )
@@ -27,6 +28,15 @@ from scheduler.quadtree import QuadNode
 
 NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
+# NOTE: latency guard (RESULTS §12). TPOT counts every wait between two tokens, and an
+# evicted seq waits, in the candidate requests buffer, until blocks for all its KV are free:
+# seconds for a long one on a full decode instance, spread over few tokens. So admissions
+# leave the running seqs room to grow for HEADROOM_STEPS more steps (evictions become rare),
+# at most HEADROOM_SHARE of the instance's blocks, and a seq that still waits longer than
+# STALL_STEPS predicted steps for its next token goes first, in the order it stalled.
+HEADROOM_STEPS = 64
+HEADROOM_SHARE = 0.125
+STALL_STEPS = 32
 
 
 @register_policy
@@ -165,7 +175,10 @@ class AlignedPolicy(AlignedStrictPolicy):
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
-        room, evict the old batch's longest, then the current batch's. Otherwise:
+        room, evict the old batch's longest, then the current batch's. Then candidate
+        requests stalled beyond ``STALL_STEPS`` steps go first, strictly in the order they
+        stalled (nothing else joins until they do). Otherwise, with ``HEADROOM_STEPS`` of
+        growth kept free (``with_headroom``):
 
         - a candidate request joins when it does not raise the running batch's ``waste``
           per token (a refill that raises predicted throughput for its work);
@@ -185,9 +198,13 @@ class AlignedPolicy(AlignedStrictPolicy):
                                               *sorted(current, key=lambda s: -s.length)])
         if evict:
             return BoundaryPlan(evict=evict)
+        running = [s.length for s in view.running]
+        stalled = self._stalled(view, running)
+        if stalled:
+            return plan_admissions(view, stalled, [], is_strict=True)
+        view = with_headroom(view)
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
-        running = [s.length for s in view.running]
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
             return plan_admissions(view, requests, batch, is_strict=False,
                                    accepts=self._lowers_waste)
@@ -196,6 +213,15 @@ class AlignedPolicy(AlignedStrictPolicy):
         if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
             return plan
         return self._switch_to(view, batch, unswitched=plan)
+
+    def _stalled(self, view: BoundaryView, running: Sequence[int]) -> list[SeqView]:
+        """Candidate requests (evicted seqs, mostly) without a token for longer than
+        ``STALL_STEPS`` predicted steps of the running batch, longest stalled first."""
+        if not view.candidate_requests:
+            return []
+        bound = STALL_STEPS * self._time(running) if running else 0.0
+        stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
+        return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
@@ -231,6 +257,18 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not plan.admit_batch:
             return unswitched
         return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+def with_headroom(view: BoundaryView) -> BoundaryView:
+    """``view`` with the running seqs' growth over ``HEADROOM_STEPS`` steps (at most
+    ``HEADROOM_SHARE`` of the instance's blocks) taken out of its free blocks: what
+    admissions may fill without an eviction soon after."""
+    if not view.running:
+        return view
+    held = sum(s.num_blocks for s in view.running)
+    growth = ceil_div(len(view.running) * HEADROOM_STEPS, view.block_size)
+    reserve = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    return dataclasses.replace(view, free_blocks=max(0, view.free_blocks - reserve))
 
 
 @register_policy
