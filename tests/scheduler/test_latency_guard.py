@@ -79,14 +79,15 @@ def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> N
     assert not plan.admit_requests and not plan.admit_batch
 
 
-def test_admissions_leave_the_running_seqs_room_to_grow() -> None:
+def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)  # off by default (see its NOTE)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
     batch = tuple(SeqView(f"b{i}", SHORT, 7, 0.0, 2) for i in range(100))  # 700 blocks
     free = 600  # with the 112 held, 1/8 of the instance (89) is above the headroom
     view = BoundaryView(running, free, BLOCK_SIZE, 256, (), batch, 2, now=0.0)
     admitted = {name: get_policy(name, PolicyConfig()).plan_boundary(view).admit_batch
                 for name in ("aligned", "aligned-loose")}
-    headroom = -(-len(running) * throughput.HEADROOM_STEPS // BLOCK_SIZE)  # 64 blocks
+    headroom = -(-len(running) * 64 // BLOCK_SIZE)  # 64 blocks
     used = {name: sum(blocks_to_admit(s, BLOCK_SIZE, 1) for s in batch if s.seq_id in ids)
             for name, ids in admitted.items()}
     reserve = growth(running, BLOCK_SIZE, 1)
@@ -95,10 +96,14 @@ def test_admissions_leave_the_running_seqs_room_to_grow() -> None:
     assert len(admitted["aligned"]) >= len(admitted["aligned-loose"]) - headroom // 7 - 1
 
 
-def test_headroom_is_at_most_a_share_of_a_small_instance() -> None:
+def test_headroom_is_at_most_a_share_of_a_small_instance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(12))  # 84 held
     # 64 steps of growth would be 48 blocks, over half of this 114-block instance
     view = BoundaryView(running, 30, BLOCK_SIZE, 12, (), (), 1, now=0.0)
     assert throughput.with_headroom(view).free_blocks == 30 - int(0.125 * 114)
     assert throughput.with_headroom(BoundaryView((), 30, BLOCK_SIZE, 12, (), (), 1, 0.0)
                                      ).free_blocks == 30  # nothing running: nothing to grow
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 0)
+    assert throughput.with_headroom(view) is view  # the default: no headroom
