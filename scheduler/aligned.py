@@ -7,7 +7,7 @@ as two fixed rules: `aligned-strict` (every batch within ``max_spread``) and `al
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from scheduler.batching import (
     MAX_RETURNS,
@@ -134,7 +134,9 @@ class AlignedStrictPolicy(Policy):
         """
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
-        victims = by_length_desc(old) + by_length_desc(current)
+
+        def victims() -> list[SeqView]:
+            return by_length_desc(old) + by_length_desc(current)
         # NOTE: starvation at the boundary. An evicted long request can wait in the candidate
         # requests buffer behind closer-length ones forever, and candidate requests matching
         # the running batch can keep it fed while a starving request waits in the candidate
@@ -155,6 +157,8 @@ class AlignedStrictPolicy(Policy):
     def _closest_first(view: BoundaryView, current: Sequence[SeqView]) -> list[SeqView]:
         """Candidate requests closest in length to the current batch (else the running
         seqs, else the candidate batch) first; in arrival order when all are empty."""
+        if not view.candidate_requests:
+            return []
         reference = next((m for m in (median_length(current), median_length(view.running),
                                       median_length(view.candidate_batch)) if m is not None),
                          None)
@@ -163,7 +167,8 @@ class AlignedStrictPolicy(Policy):
         return by_distance(view.candidate_requests, reference)
 
     def _plan_strict(self, view: BoundaryView, current: Sequence[SeqView],
-                     old: Sequence[SeqView], victims: Sequence[SeqView]) -> BoundaryPlan:
+                     old: Sequence[SeqView],
+                     victims: Callable[[], Sequence[SeqView]]) -> BoundaryPlan:
         """Strict alignment (`aligned-strict`, ``max_spread``). Every admission, candidate request
         or candidate batch seq, keeps the running seqs within ``max_spread``; seqs only grow,
         so a batch admitted within it stays within it. A switch to a candidate batch that

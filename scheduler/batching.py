@@ -150,15 +150,26 @@ def median_length(seqs: Sequence[SeqView]) -> float | None:
     return statistics.median(s.length for s in seqs) if seqs else None
 
 
-def plan_evictions(view: BoundaryView, victims: Sequence[SeqView]) -> tuple[str, ...]:
-    """Evict from ``victims`` (in order) until the next step's growth fits ``free_blocks``.
+def growth(seqs: Iterable[SeqView], block_size: int, num_lookahead: int = 0) -> int:
+    """``blocks_needed`` summed over ``seqs`` (one pass, inlined: it runs over every running
+    seq at every boundary, the largest part of a decision's time at 256 slots)."""
+    offset = num_lookahead + block_size - 1
+    return sum(need for s in seqs if (need := (s.length + offset) // block_size - s.num_blocks) > 0)
+
+
+def plan_evictions(view: BoundaryView,
+                   victims: Callable[[], Iterable[SeqView]]) -> tuple[str, ...]:
+    """Evict from ``victims()`` (in order) until the next step's growth fits
+    ``free_blocks``. The order is built only when some seq must go.
 
     Evicting a seq frees the blocks it holds and drops its growth. Returns () when the
     step already fits.
     """
-    shortfall = sum(blocks_needed(s, view.block_size) for s in view.running) - view.free_blocks
+    shortfall = growth(view.running, view.block_size) - view.free_blocks
+    if shortfall <= 0:
+        return ()
     evicted: list[str] = []
-    for seq in victims:
+    for seq in victims():
         if shortfall <= 0:
             break
         evicted.append(seq.seq_id)
@@ -172,8 +183,8 @@ def admission_room(view: BoundaryView) -> tuple[int, int]:
     The reserve covers the next step and the one after (ADMIT_LOOKAHEAD), see
     ``plan_boundary_with``.
     """
-    growth = sum(blocks_needed(s, view.block_size, ADMIT_LOOKAHEAD) for s in view.running)
-    return view.free_blocks - growth, view.max_batch_size - len(view.running)
+    reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+    return view.free_blocks - reserve, view.max_batch_size - len(view.running)
 
 
 def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
@@ -219,7 +230,7 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))
 
 
-def plan_boundary_with(view: BoundaryView, victims: Sequence[SeqView],
+def plan_boundary_with(view: BoundaryView, victims: Callable[[], Iterable[SeqView]],
                        requests: Sequence[SeqView], batch: Sequence[SeqView],
                        is_strict: bool) -> BoundaryPlan:
     """Evict if the step lacks room, otherwise admit: never both at one boundary.

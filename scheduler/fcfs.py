@@ -53,6 +53,6 @@ class FcfsPolicy(Policy):
 
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Evict the latest arrivals when short of room; else admit strictly by arrival."""
-        victims = by_arrival(view.running)[::-1]
-        return plan_boundary_with(view, victims, by_arrival(view.candidate_requests),
+        return plan_boundary_with(view, lambda: by_arrival(view.running)[::-1],
+                                  by_arrival(view.candidate_requests),
                                   by_arrival(view.candidate_batch), is_strict=True)

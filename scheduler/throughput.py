@@ -17,6 +17,7 @@ from scheduler.batching import (
     BoundaryView,
     SeqView,
     by_arrival,
+    ceil_div,
     plan_admissions,
     plan_evictions,
 )
@@ -27,6 +28,21 @@ from scheduler.quadtree import QuadNode
 
 NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
+# NOTE: latency guard (benchmarks/RESULTS.md §12). TPOT counts every wait between two
+# tokens, and an evicted seq waits, in the candidate requests buffer, until blocks for all
+# its KV are free: seconds for a long one on a full decode instance, spread over few tokens.
+# So a seq that waits longer than STALL_STEPS predicted steps for its next token goes first,
+# in the order it stalled. Admissions may also leave the running seqs room to grow for
+# HEADROOM_STEPS more steps (at most HEADROOM_SHARE of the instance's blocks), so that
+# evictions become rare: 64 met the simulator's P99 TPOT target where the stall bound alone
+# did not (RESULTS §12), but it is off (0) by default, because it makes the engine driver
+# and the simulator part ways in tests/cores/test_differential.py (the same policy calls
+# and answers, then the simulator stages a copy the engine does not: orders overlap in the
+# simulator, not in the engine, see sim/drivers.py's Batcher), a driver difference that
+# scenario had not reached before.
+HEADROOM_STEPS = 0
+HEADROOM_SHARE = 0.125
+STALL_STEPS = 32
 
 
 @register_policy
@@ -44,8 +60,12 @@ class AlignedPolicy(AlignedStrictPolicy):
         # model, its version (``num_fits``: a driver may refit it) and the slots
         self._line: tuple[float, float] | None = None
         self._line_key: tuple[object, ...] = ()
-        # per decision: the running seqs' waste as admissions grow them (size, waste)
+        # per decision: the running seqs' waste as admissions grow them (size, waste), the
+        # last candidate's (the running seqs' next, if it is admitted), and the step times
+        # asked so far (the same lengths are costed by several rules)
         self._running_waste: tuple[int, float] = (-1, 0.0)
+        self._joined_waste: tuple[int, float] = (-1, 0.0)
+        self._times: dict[tuple[int, ...], float] = {}
 
     def _begin(self, slots: int) -> None:
         """A decision starts: its cost figures are taken afresh where the model changed."""
@@ -53,7 +73,16 @@ class AlignedPolicy(AlignedStrictPolicy):
         key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
         if key != self._line_key:
             self._line, self._line_key = None, key
-        self._running_waste = (-1, 0.0)
+        self._running_waste = self._joined_waste = (-1, 0.0)
+        self._times = {}
+
+    def _time(self, lengths: Sequence[int]) -> float:
+        """``step_time`` within one decision, each batch costed once."""
+        key = tuple(lengths)
+        time = self._times.get(key)
+        if time is None:
+            time = self._times[key] = self.step_time(key)
+        return time
 
     def ideal(self, length: float) -> float:
         """Predicted step time per token in a full batch of seqs of one ``length``: linear
@@ -80,7 +109,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not lengths:
             return 0.0
         n = len(lengths)
-        return self.step_time(lengths) / n - self.ideal(sum(lengths) / n)
+        return self._time(lengths) / n - self.ideal(sum(lengths) / n)
 
     def _less_waste(self, waste: float, than: float) -> bool:
         """Whether waste ``waste`` is less than ``than``, beyond rounding."""
@@ -152,7 +181,10 @@ class AlignedPolicy(AlignedStrictPolicy):
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
-        room, evict the old batch's longest, then the current batch's. Otherwise:
+        room, evict the old batch's longest, then the current batch's. Then candidate
+        requests stalled beyond ``STALL_STEPS`` steps go first, strictly in the order they
+        stalled (nothing else joins until they do). Otherwise, with ``HEADROOM_STEPS`` of
+        growth kept free (``with_headroom``; none by default):
 
         - a candidate request joins when it does not raise the running batch's ``waste``
           per token (a refill that raises predicted throughput for its work);
@@ -165,17 +197,21 @@ class AlignedPolicy(AlignedStrictPolicy):
         self._begin(view.max_batch_size)
         current = [s for s in view.running if s.batch_id == view.current_batch_id]
         old = [s for s in view.running if s.batch_id != view.current_batch_id]
-        victims = [*sorted(old, key=lambda s: -s.length), *sorted(current, key=lambda s: -s.length)]
         if (self.is_starving(view, view.candidate_requests)
                 or self.is_starving(view, view.candidate_batch)):
             return super().plan_boundary(view)
-        evict = plan_evictions(view, victims)
+        evict = plan_evictions(view, lambda: [*sorted(old, key=lambda s: -s.length),
+                                              *sorted(current, key=lambda s: -s.length)])
         if evict:
             return BoundaryPlan(evict=evict)
+        running = [s.length for s in view.running]
+        stalled = self._stalled(view, running)
+        if stalled:
+            return plan_admissions(view, stalled, [], is_strict=True)
+        view = with_headroom(view)
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
-        running = [s.length for s in view.running]
-        if not batch or mixing_pays(self.step_time, running, [s.length for s in batch]):
+        if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
             return plan_admissions(view, requests, batch, is_strict=False,
                                    accepts=self._lowers_waste)
         plan = plan_admissions(view, requests, [], is_strict=False,
@@ -184,17 +220,30 @@ class AlignedPolicy(AlignedStrictPolicy):
             return plan
         return self._switch_to(view, batch, unswitched=plan)
 
+    def _stalled(self, view: BoundaryView, running: Sequence[int]) -> list[SeqView]:
+        """Candidate requests (evicted seqs, mostly) without a token for longer than
+        ``STALL_STEPS`` predicted steps of the running batch, longest stalled first."""
+        if not view.candidate_requests:
+            return []
+        bound = STALL_STEPS * self._time(running) if running else 0.0
+        stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
+        return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
+
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
-        ``lengths`` only grows within one decision (admitted seqs join it), so its waste is
-        computed once per size."""
+        ``lengths`` only grows within one decision (admitted seqs join it, one at a time),
+        so its waste is computed once per size, and after an admission it is the waste
+        last computed with the candidate."""
         if not lengths:
             return True
         size, waste = self._running_waste
         if size != len(lengths):
-            waste = self.waste(lengths)
-            self._running_waste = (len(lengths), waste)
-        return not self._less_waste(waste, self.waste([*lengths, seq.length]))
+            size, waste = (self._joined_waste if self._joined_waste[0] == len(lengths)
+                           else (len(lengths), self.waste(lengths)))
+            self._running_waste = (size, waste)
+        joined = self.waste([*lengths, seq.length])
+        self._joined_waste = (size + 1, joined)
+        return not self._less_waste(waste, joined)
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
                    unswitched: BoundaryPlan) -> BoundaryPlan:
@@ -205,7 +254,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         lengths = [s.length for s in batch]
         stale = [s for s in view.running
                  if self.may_return(view, s)
-                 and not mixing_pays(self.step_time, lengths, [s.length])]
+                 and not mixing_pays(self._time, lengths, [s.length])]
         stale_ids = {s.seq_id for s in stale}
         kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
         freed = sum(s.num_blocks for s in stale)
@@ -214,6 +263,18 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not plan.admit_batch:
             return unswitched
         return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+def with_headroom(view: BoundaryView) -> BoundaryView:
+    """``view`` with the running seqs' growth over ``HEADROOM_STEPS`` steps (at most
+    ``HEADROOM_SHARE`` of the instance's blocks) taken out of its free blocks: what
+    admissions may fill without an eviction soon after."""
+    if not view.running or not HEADROOM_STEPS:
+        return view
+    held = sum(s.num_blocks for s in view.running)
+    growth = ceil_div(len(view.running) * HEADROOM_STEPS, view.block_size)
+    reserve = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    return dataclasses.replace(view, free_blocks=max(0, view.free_blocks - reserve))
 
 
 @register_policy

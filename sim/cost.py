@@ -8,9 +8,12 @@ Model geometries are a local table, so this never imports `models/` (which needs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
+
+import numpy as np
 
 from sim.hardware import Hardware
 
@@ -207,9 +210,21 @@ def wave_tokens(lengths: Sequence[int], heads: int, slots: int) -> int:
     largest in batch order; sorting longest-first makes each wave's tasks about equally
     long, where both schedules agree.
     """
-    num_tasks = len(lengths) * heads
-    total = 0
-    for first in range(0, num_tasks, slots):
-        last = min(first + slots, num_tasks) - 1
-        total += max(lengths[first // heads : last // heads + 1])
-    return total
+    if not lengths:
+        return 0
+    firsts, lasts = _waves(len(lengths), heads, slots)
+    # NOTE: a wave spans the sequences firsts[w]..lasts[w]; the next wave starts at
+    # lasts[w] or lasts[w] + 1, so reduceat's segment [firsts[w], firsts[w + 1]) plus the
+    # sequence lasts[w] is exactly the wave (reduceat gives firsts[w]'s alone when the next
+    # wave starts on the same sequence). One vectorised pass: a cost-aware policy calls this
+    # several times per decision (benchmarks/RESULTS.md §11, decision time).
+    array = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
+    return int(np.maximum(np.maximum.reduceat(array, firsts), array[lasts]).sum())
+
+
+@functools.lru_cache(maxsize=1024)
+def _waves(num_seqs: int, heads: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first and last sequence of each wave of ``num_seqs`` x ``heads`` tasks."""
+    num_tasks = num_seqs * heads
+    first_tasks = np.arange(0, num_tasks, slots)
+    return first_tasks // heads, (np.minimum(first_tasks + slots, num_tasks) - 1) // heads

@@ -90,3 +90,18 @@ def test_per_seq_kernels_never_beat_split_k(kernel: str) -> None:
     for _ in range(20):
         lengths = [rng.randint(1, 4096) for _ in range(rng.randint(1, 300))]
         assert _model(kernel).iteration_time(lengths) >= _model("split-k").iteration_time(lengths)
+
+
+def _waves_one_by_one(lengths: list[int], heads: int, slots: int) -> int:
+    """The wave model as its docstring states it, wave by wave."""
+    tasks = [lengths[i // heads] for i in range(len(lengths) * heads)]
+    return sum(max(tasks[first:first + slots]) for first in range(0, len(tasks), slots))
+
+
+def test_vectorised_wave_model_matches_it_wave_by_wave() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):  # waves over one seq's heads, over many seqs, and partial waves
+        heads, slots = rng.randint(1, 48), rng.randint(1, 140)
+        lengths = [rng.randint(1, 4096) for _ in range(rng.randint(1, 40))]
+        assert wave_tokens(lengths, heads, slots) == _waves_one_by_one(lengths, heads, slots)
+    assert wave_tokens([], heads=40, slots=132) == 0

@@ -1,0 +1,109 @@
+"""The cost-aware `aligned`'s latency guard (scheduler/throughput.py): admissions keep room
+for the running seqs to grow, and an evicted seq does not wait behind a stream of better
+fitting short ones beyond a bound counted in predicted steps. Pure policy, virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+import scheduler.throughput as throughput
+from scheduler import BoundaryView, PolicyConfig, SeqView, get_policy
+from scheduler.batching import blocks_to_admit, growth
+
+BLOCK_SIZE = 16
+SHORT, LONG = 100, 4000  # tokens
+MAX_BATCH = 12
+
+
+def padded_step_time(lengths: Sequence[int]) -> float:
+    """A padded backend's step in seconds: weights worth 4096 KV tokens plus batch x longest,
+    at 1e-6 s per token (a long seq joining short ones costs its length in every row)."""
+    return 1e-6 * (4096 + len(lengths) * max(lengths, default=0))
+
+
+def short(seq_id: str, arrival: float) -> SeqView:
+    return SeqView(seq_id, SHORT, -(-SHORT // BLOCK_SIZE), arrival, -1, waiting_since=arrival)
+
+
+def _run_stream(num_steps: int) -> int | None:
+    """Eight shorts decode; each step one finishes and a new short waits beside an evicted
+    long seq in the candidate requests. Returns the step at which the long seq is
+    admitted (None: never within ``num_steps``)."""
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    running = [SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(8)]
+    evicted = SeqView("long", LONG, LONG // BLOCK_SIZE, 0.0, 1, waiting_since=0.0)
+    requests = {"long": evicted}
+    now = 0.0
+    for step in range(1, num_steps + 1):
+        now += padded_step_time([s.length for s in running])
+        running.pop(0)  # one short finishes
+        new = short(f"n{step}", now)
+        requests[new.seq_id] = new
+        view = BoundaryView(tuple(running), 10_000, BLOCK_SIZE, MAX_BATCH,
+                            tuple(requests.values()), (), 1, now)
+        plan = policy.plan_boundary(view)
+        assert not plan.evict and not plan.to_pool
+        for seq_id in plan.admit_requests:
+            running.append(requests.pop(seq_id))
+        if "long" in plan.admit_requests:
+            return step
+        running = [SeqView(s.seq_id, s.length + 1, s.num_blocks, s.arrival_time, 1)
+                   for s in running]
+    return None
+
+
+def test_an_evicted_long_seq_waits_at_most_the_stall_bound_behind_short_ones() -> None:
+    # Joining the shorts would raise their padded waste, so only the stall bound admits it:
+    # after STALL_STEPS steps (each a short batch's step), at the next boundary.
+    step = _run_stream(num_steps=10 * throughput.STALL_STEPS)
+    assert step is not None
+    assert throughput.STALL_STEPS <= step <= throughput.STALL_STEPS + 1
+
+
+def test_without_the_stall_bound_the_stream_of_short_ones_keeps_it_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(throughput, "STALL_STEPS", 10**9)
+    assert _run_stream(num_steps=10 * 32) is None
+
+
+def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> None:
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(4))
+    evicted = SeqView("long", LONG, LONG // BLOCK_SIZE, 0.0, 1, waiting_since=0.0)
+    fresh = short("fresh", 9.0)
+    view = BoundaryView(running, 100, BLOCK_SIZE, MAX_BATCH, (evicted, fresh),
+                        (short("b0", 9.0),), 1, now=10.0)  # 100 blocks < the long seq's 251
+    plan = policy.plan_boundary(view)
+    assert not plan.admit_requests and not plan.admit_batch
+
+
+def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)  # off by default (see its NOTE)
+    running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
+    batch = tuple(SeqView(f"b{i}", SHORT, 7, 0.0, 2) for i in range(100))  # 700 blocks
+    free = 600  # with the 112 held, 1/8 of the instance (89) is above the headroom
+    view = BoundaryView(running, free, BLOCK_SIZE, 256, (), batch, 2, now=0.0)
+    admitted = {name: get_policy(name, PolicyConfig()).plan_boundary(view).admit_batch
+                for name in ("aligned", "aligned-loose")}
+    headroom = -(-len(running) * 64 // BLOCK_SIZE)  # 64 blocks
+    used = {name: sum(blocks_to_admit(s, BLOCK_SIZE, 1) for s in batch if s.seq_id in ids)
+            for name, ids in admitted.items()}
+    reserve = growth(running, BLOCK_SIZE, 1)
+    assert free - reserve - used["aligned-loose"] < 7  # the paper's rule fills to the brim
+    assert free - reserve - used["aligned"] >= headroom  # aligned keeps the headroom
+    assert len(admitted["aligned"]) >= len(admitted["aligned-loose"]) - headroom // 7 - 1
+
+
+def test_headroom_is_at_most_a_share_of_a_small_instance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)
+    running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(12))  # 84 held
+    # 64 steps of growth would be 48 blocks, over half of this 114-block instance
+    view = BoundaryView(running, 30, BLOCK_SIZE, 12, (), (), 1, now=0.0)
+    assert throughput.with_headroom(view).free_blocks == 30 - int(0.125 * 114)
+    assert throughput.with_headroom(BoundaryView((), 30, BLOCK_SIZE, 12, (), (), 1, 0.0)
+                                     ).free_blocks == 30  # nothing running: nothing to grow
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 0)
+    assert throughput.with_headroom(view) is view  # the default: no headroom
