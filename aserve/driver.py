@@ -76,6 +76,7 @@ class Actor:
         self._woken = asyncio.Event()
         self._stopping = False
         self._decided = 0.0  # seconds of decisions since the last forward (schedule_time)
+        self._copies: set[asyncio.Task[None]] = set()  # the batcher's copies in flight
         if device is not None:
             self.store = ctx.kv[core.name]
             self.runner = ctx.runners[device]
@@ -98,7 +99,9 @@ class Actor:
 
     async def act(self) -> None:
         """Does what the core asks for next (a forward, then the copies `finish` returns;
-        or copies, one after another), or waits to be woken when it asks for nothing."""
+        or copies, one after another; the batcher's copies for different orders overlap,
+        each copy thread running its own in turn), or waits to be woken when it asks for
+        nothing."""
         start = self.ctx.now()
         work = self.core.step(start)
         self._decided += self.ctx.now() - start
@@ -110,8 +113,18 @@ class Actor:
             work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.now(),
                                     result.forward_time, self._decided)
             self._decided = 0.0
+        elif not hasattr(self, "store"):  # the batcher: orders overlap, as in the simulator
+            for move in work:
+                task = asyncio.create_task(self._carry_out_and_wake(move))
+                self._copies.add(task)
+                task.add_done_callback(self._copies.discard)
+            return
         for move in work:
             await self.carry_out(move)
+
+    async def _carry_out_and_wake(self, move: Move) -> None:
+        await self.carry_out(move)
+        self.wake()  # the core may order the next copy
 
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
@@ -139,7 +152,7 @@ class Actor:
 
 def build_actors(ctx: EngineContext) -> list[Actor]:
     """The actors of `ctx`'s policy, wired to one another; returns them all. NOTE: the
-    batcher stages one order at a time, awaiting each copy."""
+    batcher's orders overlap, as the simulator's do."""
     cfg = ctx.config
     devices = {"prefill": cfg.prefill_devices, "decode": cfg.decode_devices}
 

@@ -40,7 +40,7 @@ WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are e
 # and answers, then the simulator stages a copy the engine does not: orders overlap in the
 # simulator, not in the engine, see sim/drivers.py's Batcher), a driver difference that
 # scenario had not reached before.
-HEADROOM_STEPS = 0
+HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
 
