@@ -47,7 +47,7 @@ def test_long_prompt_trace_finishes(policy: str) -> None:
                          max_prefill_tokens=4096)
     start = time.perf_counter()
     result = simulate(workload, policy, config, CostModel(geometry, hw, CostParams(), "per-seq"),
-                      record_tokens=False, max_events=MAX_EVENTS)
+                      max_events=MAX_EVENTS)
     wall = time.perf_counter() - start
     to_pool = Counter(t.seq_id for t in result.transfers
                       if t.dst == "host" and not t.src.startswith("prefill"))
