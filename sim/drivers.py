@@ -131,10 +131,7 @@ class Instance:
         """Does what the core asks for until it asks for nothing or its device is busy. A
         forward runs for the cost model's time; copies land one after another, except the
         batcher's (no device): orders for different instances overlap, each link queuing
-        its own copies, as in the paper.
-
-        NOTE: the engine's batcher awaits each order before the next decision, which at
-        paper scale would make one PCIe link the bound of the whole cluster.
+        its own copies, as in the paper (the engine's batcher runs each copy as a task).
         """
         self.is_busy = False
         while True:
