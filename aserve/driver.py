@@ -77,6 +77,7 @@ class Actor:
         self._stopping = False
         self._decided = 0.0  # seconds of decisions since the last forward (schedule_time)
         self._copies: set[asyncio.Task[None]] = set()  # the batcher's copies in flight
+        self.device = device
         if device is not None:
             self.store = ctx.kv[core.name]
             self.runner = ctx.runners[device]
@@ -113,7 +114,7 @@ class Actor:
             work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.now(),
                                     result.forward_time, self._decided)
             self._decided = 0.0
-        elif not hasattr(self, "store"):  # the batcher: orders overlap, as in the simulator
+        elif self.device is None:  # the batcher: orders overlap, as in the simulator
             for move in work:
                 task = asyncio.create_task(self._carry_out_and_wake(move))
                 self._copies.add(task)
