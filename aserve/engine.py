@@ -29,6 +29,7 @@ from aserve.core import (
 from aserve.cores import Lifecycle
 from aserve.driver import Actor, EngineContext, KVSpace, build_actors
 from aserve.errors import EngineError, EngineOverloaded
+from aserve.host import tune_host_allocator
 from aserve.runner import ModelRunner
 from aserve.step_cost import EngineStepCost, probe
 from models.loader import resolve_dtype
@@ -67,6 +68,8 @@ class Engine:
         cfg = self.config
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
+        if any(torch.device(dev).type == "cpu" for dev in cfg.decode_devices):
+            tune_host_allocator()
         # NOTE: as vLLM's `seed`: sampled requests without a seed of their own draw from the
         # global RNG, so a run repeats when its requests are batched the same way.
         torch.manual_seed(cfg.seed)
