@@ -110,13 +110,14 @@ def arrival_stamps(workload: Workload) -> list[float]:
     submits them all at time 0, in workload order) queue in submission order. With the
     workload's tied times, the cores would break ties by request id, a string ("x-10"
     before "x-2"): `continuous` would admit prompts in another order than the engine. A
-    tie moves up by one ulp, which no metric can see.
+    request that ties an earlier one is stamped one ulp after it, which no metric can see.
     """
     stamps: list[float] = []
+    last: dict[float, float] = {}  # workload time -> the latest stamp given for it
     for req in workload.requests:
-        last = stamps[-1] if stamps else -math.inf
-        stamps.append(req.arrival_time if req.arrival_time > last
-                      else math.nextafter(last, math.inf))
+        at = req.arrival_time
+        last[at] = math.nextafter(last[at], math.inf) if at in last else at
+        stamps.append(last[at])
     return stamps
 
 

@@ -39,6 +39,10 @@ def test_stamps_keep_distinct_times_and_order_ties() -> None:
     assert all(a < b for a, b in zip(stamps, stamps[1:]))
     assert stamps[3] == 1.5 and stamps[4] == 2.0  # a time of its own is kept exactly
     assert stamps == pytest.approx([r.arrival_time for r in workload.requests], abs=1e-12)
+    unsorted = Workload("u", tuple(WorkloadRequest(f"u-{i}", 4, 2, t)
+                                   for i, t in enumerate([2.0, 1.0, 2.0])))
+    assert arrival_stamps(unsorted)[:2] == [2.0, 1.0]  # a time of its own, even out of order
+    assert arrival_stamps(unsorted)[2] > 2.0
 
 
 @pytest.mark.parametrize("system", sorted(POLICIES))
