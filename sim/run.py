@@ -86,10 +86,10 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     check_fits(workload, config, policy.uses_pool)
     ctx = SimContext(config, cost, policy, record_tokens)
     build_instances(ctx)
-    for req in workload.requests:
+    for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-                          arrival_time=req.arrival_time)
+                          arrival_time=at)
         ctx.loop.at(req.arrival_time, partial(_arrive, ctx, request))
     for seq_id, at in (aborts or {}).items():
         ctx.loop.at(at, partial(_abort, ctx, seq_id))
@@ -102,6 +102,23 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
         device_busy={name: dev.busy_time for name, dev in ctx.devices.items()},
         blocks_left=ctx.kv.blocks_used(), transfers=ctx.kv.transfers,
     )
+
+
+def arrival_stamps(workload: Workload) -> list[float]:
+    """Each request's arrival time as the engine stamps it: its clock when the request is
+    submitted, which strictly increases, so requests submitted together (an offline replay
+    submits them all at time 0, in workload order) queue in submission order. With the
+    workload's tied times, the cores would break ties by request id, a string ("x-10"
+    before "x-2"): `continuous` would admit prompts in another order than the engine. A
+    request that ties an earlier one is stamped one ulp after it, which no metric can see.
+    """
+    stamps: list[float] = []
+    last: dict[float, float] = {}  # workload time -> the latest stamp given for it
+    for req in workload.requests:
+        at = req.arrival_time
+        last[at] = math.nextafter(last[at], math.inf) if at in last else at
+        stamps.append(last[at])
+    return stamps
 
 
 def _arrive(ctx: SimContext, request: Request) -> None:

@@ -21,6 +21,7 @@ from scheduler import get_policy, throughput
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.drivers import SimContext
 from sim.hardware import Hardware
+from sim.run import arrival_stamps
 from tests.cores.cost_runner import CostRunner
 
 TOLERANCE = 1e-6  # seconds; both drivers compute the same sums on the same clock
@@ -98,7 +99,11 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
     kv.copy = copy  # type: ignore[method-assign]
     engine.ctx.clock = loop.time  # type: ignore[union-attr]
     queues = []
-    timeline = sorted([(r.arrival_time, 0, r) for r in (load or workload()).requests]
+    load = load or workload()
+    # NOTE: Engine.make_request stamps each request with its clock at submission, which
+    # strictly increases; the simulator stamps the same way (sim.run.arrival_stamps)
+    stamps = dict(zip((r.request_id for r in load.requests), arrival_stamps(load)))
+    timeline = sorted([(r.arrival_time, 0, r) for r in load.requests]
                       + [(t, 1, seq_id) for seq_id, t in aborts.items()], key=lambda x: x[:2])
     for at, kind, item in timeline:
         if at > loop.time():  # what happens at one time happens without a yield between
@@ -109,7 +114,7 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
         queues.append(engine.submit(Request(
             request_id=item.request_id, prompt_token_ids=(0,) * item.prompt_len,
             sampling=SamplingParams(max_tokens=item.output_len, ignore_eos=True),
-            arrival_time=at)))
+            arrival_time=stamps[item.request_id])))
     while engine.stats()["live"] and loop.time() < deadline:
         await asyncio.sleep(0.01)
     await engine.stop()
