@@ -180,7 +180,7 @@ class Engine:
             raise ValueError(f"{field}: prompt ({len(ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds the model's context "
                              f"({ctx.max_model_len})")
-        self._check_fits(total)
+        ctx.kv.check_fits(total, ctx.policy.uses_pool, "prompt + max_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -196,16 +196,6 @@ class Engine:
         if ctx.policy.uses_pool:
             blocks.append(cache.num_prefill_blocks)
         return min(ctx.max_model_len, min(blocks) * cache.block_size)
-
-    def _check_fits(self, total: int) -> None:
-        cache, kv = self.config.cache, self._context.kv
-        limits = [("num_decode_blocks", cache.num_decode_blocks)]
-        if self._context.policy.uses_pool:
-            limits.append(("num_prefill_blocks", cache.num_prefill_blocks))
-        for name, limit in limits:
-            if kv.blocks_for(total) > limit:
-                raise ValueError(f"prompt + max_tokens ({total} tokens) needs "
-                                 f"{kv.blocks_for(total)} KV blocks but {name} is {limit}")
 
     @property
     def num_waiting(self) -> int:
@@ -306,7 +296,7 @@ class Engine:
         if request_id not in self._live or self._live[request_id].is_finished:
             return
         ctx.life.abort(request_id, status)
-        ctx.wiring.reap(ctx.now())
+        ctx.wiring.reap(ctx.clock())
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
