@@ -105,10 +105,6 @@ class Core:
     waiting: Any  # an entry core's queue (prefill, colocated)
     running: list[Sequence]  # a decode (or colocated) core's running batch
 
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
-
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
 
@@ -187,7 +183,7 @@ class Wiring:
         """A new request (or one to prefill again, `front` first in line) goes to the
         entry instance with the fewest waiting tokens (prefill, or colocated)."""
         entry = self.prefills or self.decodes
-        target = min(entry, key=lambda driver: driver.core.num_waiting_tokens)
+        target = min(entry, key=lambda driver: sum(s.num_tokens for s in driver.core.waiting))
         target.core.submit(seq, front)
         target.wake()
 
@@ -338,20 +334,23 @@ class BlockLedger:
             return
         self.allocators[move.dst].free(move.seq.seq_id)
 
-    def check_fits(self, num_tokens: int, uses_pool: bool, what: str) -> None:
-        """A request of `num_tokens` must fit every store it passes through, or it could
-        never finish. NOTE: one above the batch share of decode KV gets the whole cache, and
-        one larger than the staging buffer stays in the host pool until admitted (so staging
-        sets no limit). Raises ValueError naming `what` and the limit that refuses it."""
+    def limits(self, uses_pool: bool) -> dict[str, int]:
+        """The most blocks one request may hold, by the setting that sets it: every store it
+        passes through, or it could never finish. NOTE: one above the batch share of decode
+        KV gets the whole cache, and one larger than the staging buffer stays in the host pool
+        until admitted (so staging sets no limit)."""
         stores = {"num_decode_blocks": "decode0"}
         if uses_pool:
             stores |= {"num_prefill_blocks": "prefill0", "the host pool": "host"}
+        return {name: self.allocators[store].num_blocks for name, store in stores.items()}
+
+    def check_fits(self, num_tokens: int, uses_pool: bool, what: str) -> None:
+        """Raises ValueError naming `what` and the limit when `num_tokens` exceed one."""
         num_blocks = self.blocks_for(num_tokens)
-        for limit_name, store in stores.items():
-            limit = self.allocators[store].num_blocks
+        for name, limit in self.limits(uses_pool).items():
             if num_blocks > limit:
                 raise ValueError(f"{what} ({num_tokens} tokens) needs {num_blocks} KV blocks "
-                                 f"but {limit_name} is {limit}")
+                                 f"but {name} is {limit}")
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, total) blocks per location kind, summed over instances."""

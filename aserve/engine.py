@@ -191,11 +191,9 @@ class Engine:
     def max_seq_len(self) -> int:
         """The most tokens (prompt + output) one request may hold: the model's context,
         or less when a KV store is smaller."""
-        ctx, cache = self._context, self.config.cache
-        blocks = [cache.num_decode_blocks]
-        if ctx.policy.uses_pool:
-            blocks.append(cache.num_prefill_blocks)
-        return min(ctx.max_model_len, min(blocks) * cache.block_size)
+        ctx = self._context
+        blocks = min(ctx.kv.limits(ctx.policy.uses_pool).values())
+        return min(ctx.max_model_len, blocks * ctx.kv.block_size)
 
     @property
     def num_waiting(self) -> int:
