@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import re
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 from sortedcontainers import SortedKeyList
@@ -101,10 +103,7 @@ class Core:
     name: str
     life: Lifecycle
     waiting: Any  # an entry core's queue (prefill, colocated)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.waiting)
+    running: list[Sequence]  # a decode (or colocated) core's running batch
 
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
@@ -122,7 +121,9 @@ class Core:
         self.life.fail_move(move, error, at=now)
 
     def fail(self, error: str, now: float) -> None:
-        raise NotImplementedError
+        """The forward pass failed: the running batch ends with an error."""
+        self.life.fail_all(self.running, error, now)
+        self.running = []
 
 
 class Driver(Protocol):
@@ -153,24 +154,27 @@ class Wiring:
         call(self.batcher.core)
         self.batcher.wake()
 
-    def connect(self, drive: Callable[[Core], Driver], policy: Policy, kv: BlockLedger,
-                life: Lifecycle, sched: Any, num_prefill: int, num_decode: int) -> list[Driver]:
-        """Builds the cores of `policy` (`num_decode` colocated instances if it uses no
-        pool; else prefill instances, the batcher and decode instances), with `sched` (the
-        engine's SchedulerConfig), each in its driver `drive(core)`; starts them (each decode
-        instance asks for its first batch) and returns the drivers."""
+    def connect(self, drive: Callable[[Core, str | None], Driver], policy: Policy,
+                kv: BlockLedger, life: Lifecycle, sched: Any, prefill_devices: Sequence_[str],
+                decode_devices: Sequence_[str]) -> list[Driver]:
+        """Builds the cores of `policy` (one colocated instance per decode device if it
+        uses no pool; else prefill instances, the batcher and decode instances), with `sched`
+        (the engine's SchedulerConfig), each in its driver `drive(core, device)` (no device
+        for the batcher); starts them (each decode instance asks for its first batch) and
+        returns the drivers."""
         batch = sched.max_batch_size
         if not policy.uses_pool:
             self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
-                sched.max_prefill_tokens, batch, kv.block_size))) for j in range(num_decode)]
+                sched.max_prefill_tokens, batch, kv.block_size)), dev)
+                for j, dev in enumerate(decode_devices)]
             return self.drivers
         num_blocks = kv.allocators["decode0"].num_blocks
-        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens))
-                         for i in range(num_prefill)]
+        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens), dev)
+                         for i, dev in enumerate(prefill_devices)]
         self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
-                                         sched.batch_kv_fraction, batch))
-        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch))
-                        for j in range(num_decode)]
+                                         sched.batch_kv_fraction, batch), None)
+        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch), dev)
+                        for j, dev in enumerate(decode_devices)]
         for decode in self.decodes:
             decode.core.ask_for_batch()
         return self.drivers
@@ -179,7 +183,7 @@ class Wiring:
         """A new request (or one to prefill again, `front` first in line) goes to the
         entry instance with the fewest waiting tokens (prefill, or colocated)."""
         entry = self.prefills or self.decodes
-        target = min(entry, key=lambda driver: driver.core.num_waiting_tokens)
+        target = min(entry, key=lambda driver: sum(s.num_tokens for s in driver.core.waiting))
         target.core.submit(seq, front)
         target.wake()
 
@@ -224,6 +228,21 @@ def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
     return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
                    seq.batch_id, seq.token_times[-1] if seq.token_times else None,
                    seq.num_returns)
+
+
+def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
+              cache: Any) -> dict[str, tuple[str, int]]:
+    """Every KV store but the host pool, by name, with its device and its blocks (from
+    `cache`, the engine's CacheConfig or the simulator's cluster): `prefill{i}` scratch on
+    prefill device i; decode instance j's cache `decode{j}` and its candidate buffer
+    `staging{j}` on prefill device j mod P (the paper's layout). One layout, both drivers."""
+    stores = {f"prefill{i}": (dev, cache.num_prefill_blocks)
+              for i, dev in enumerate(prefill_devices)}
+    for j, dev in enumerate(decode_devices):
+        stores[f"decode{j}"] = (dev, cache.num_decode_blocks)
+        stores[f"staging{j}"] = (prefill_devices[j % len(prefill_devices)],
+                                 max(cache.num_staging_blocks, 1))
+    return stores
 
 
 # -- kv -------------------------------------------------------------------------------
@@ -315,6 +334,24 @@ class BlockLedger:
             return
         self.allocators[move.dst].free(move.seq.seq_id)
 
+    def limits(self, uses_pool: bool) -> dict[str, int]:
+        """The most blocks one request may hold, by the setting that sets it: every store it
+        passes through, or it could never finish. NOTE: one above the batch share of decode
+        KV gets the whole cache, and one larger than the staging buffer stays in the host pool
+        until admitted (so staging sets no limit)."""
+        stores = {"num_decode_blocks": "decode0"}
+        if uses_pool:
+            stores |= {"num_prefill_blocks": "prefill0", "the host pool": "host"}
+        return {name: self.allocators[store].num_blocks for name, store in stores.items()}
+
+    def check_fits(self, num_tokens: int, uses_pool: bool, what: str) -> None:
+        """Raises ValueError naming `what` and the limit when `num_tokens` exceed one."""
+        num_blocks = self.blocks_for(num_tokens)
+        for name, limit in self.limits(uses_pool).items():
+            if num_blocks > limit:
+                raise ValueError(f"{what} ({num_tokens} tokens) needs {num_blocks} KV blocks "
+                                 f"but {name} is {limit}")
+
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, total) blocks per location kind, summed over instances."""
         out = {loc: (0, 0) for loc in LOCATIONS}
@@ -343,9 +380,9 @@ class BlockLedger:
 class Lifecycle:
     """Events, iteration records, each request's output stream, and finishing."""
 
-    def __init__(self, kv: BlockLedger | None, eos_token_id: int, record_tokens: bool = True,
+    def __init__(self, kv: BlockLedger, eos_token_id: int, record_tokens: bool = True,
                  trace_limit: int = 1_000_000) -> None:
-        self.kv = kv  # frees a finished seq's blocks (None: the caller frees them)
+        self.kv = kv  # frees a finished seq's blocks
         self.eos_token_id = eos_token_id
         self.events: list[Event] = []
         self.iterations: list[IterationRecord] = []  # decode instances (and continuous)
@@ -378,7 +415,6 @@ class Lifecycle:
                schedule_time: float, num_prefill_tokens: int = 0, is_mixed: bool = False,
                prefill_lengths: tuple[int, ...] = ()) -> None:
         """Records one forward pass; a prefill instance's (`prefill_lengths`) apart."""
-        assert self.kv is not None, "records need the block ledger"
         record = IterationRecord(
             step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
             max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
@@ -425,7 +461,7 @@ class Lifecycle:
         """Marks `seq` finished, ends its stream and frees its blocks (unless `release` is
         False: another task may still be using them)."""
         assert status.is_finished, f"{status!r} is not a finished state"
-        if release and self.kv is not None:
+        if release:
             self.kv.release(seq)
         if seq.is_finished:
             return
@@ -444,13 +480,22 @@ class Lifecycle:
     def reserve(self, seq: Sequence, dst: str, *, at: float) -> Move | None:
         """`BlockLedger.reserve`, except that a store refusing the allocation by raising
         ends `seq` alone with an error (check `seq.is_finished` after None)."""
-        assert self.kv is not None, "reserve needs the block ledger"
+        return self._guarded(seq, partial(self.kv.reserve, seq, dst), at)
+
+    def _guarded(self, seq: Sequence, allocate: Callable[[], Move | None],
+                 at: float) -> Move | None:
+        """`allocate()`; a store raising ends `seq` alone with an error (None)."""
         try:
-            return self.kv.reserve(seq, dst)
+            return allocate()
         except Exception as exc:  # a store's failure is this seq's, not the instance's
-            logger.exception("reserving %s for %s failed", dst, seq.seq_id)
-            self.finish(seq, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}", at=at)
+            logger.exception("allocating KV for %s failed", seq.seq_id)
+            self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
             return None
+
+    def fail_all(self, seqs: Iterable[Sequence], error: str, at: float) -> None:
+        """Ends each of `seqs` with `error` (a failed forward, copy or store)."""
+        for seq in seqs:
+            self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
 
     def fork(self, seq: Sequence, at: float) -> tuple[list[Move], list[Sequence]]:
         """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
@@ -463,20 +508,14 @@ class Lifecycle:
         Returns (the forks' KV moves, each fork in `seq`'s status; the samples the store had
         no room for, to be prefilled on their own). A store raising ends that sample alone.
         """
-        assert self.kv is not None, "fork needs the block ledger"
         moves: list[Move] = []
         unforked: list[Sequence] = []
         num_cached = seq.num_prompt_tokens - 1
         for child in self.reap(seq.forks, at):
-            try:
-                move = self.kv.fork(seq, child, num_cached)
-            except Exception as exc:  # a store's failure is this sample's, not the instance's
-                logger.exception("forking %s from %s failed", child.seq_id, seq.seq_id)
-                self.finish(child, SeqStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
-                            at=at)
-                continue
+            move = self._guarded(child, partial(self.kv.fork, seq, child, num_cached), at)
             if move is None:
-                unforked.append(child)
+                if not child.is_finished:
+                    unforked.append(child)
                 continue
             child.num_computed_tokens, child.status = num_cached, seq.status
             child.prompt_logprobs[:] = seq.prompt_logprobs
@@ -486,9 +525,8 @@ class Lifecycle:
 
     def fail_move(self, move: Move, error: str, *, at: float) -> None:
         """A KV copy failed: its destination is freed and the seq alone ends with an error."""
-        if self.kv is not None:
-            self.kv.cancel(move)
-        self.finish(move.seq, SeqStatus.FINISHED_ERROR, error, at=at)
+        self.kv.cancel(move)
+        self.fail_all([move.seq], error, at)
 
     def _put(self, seq: Sequence, out: StepOutput) -> None:
         queue = self.queues.get(seq.seq_id)
@@ -597,8 +635,7 @@ class PrefillCore(Core):
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass (or an offload) failed: the prefilled seqs end with an error."""
-        for seq in (*self.prefilling, *self.blocked):
-            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+        self.life.fail_all((*self.prefilling, *self.blocked), error, now)
         self.prefilling = []
         self.blocked.clear()
 
@@ -705,8 +742,7 @@ class BatcherCore(Core):
     def fail(self, error: str, now: float) -> None:
         """The orders being staged end with an error."""
         for order in self.orders:
-            for seq in order.seqs:
-                self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
+            self.life.fail_all(order.seqs, error, now)
             self.in_flight.discard(order.instance)
         self.orders = []
 
@@ -1078,9 +1114,7 @@ class DecodeCore(Core):
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate
         buffers survive."""
-        for seq in self.running:
-            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
-        self.running = []
+        super().fail(error, now)
         self._then, self._admissions = None, None
 
 
@@ -1194,9 +1228,3 @@ class ColocatedCore(Core):
     def landed(self, move: Move, now: float) -> None:
         """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""
         self.running.append(move.seq)
-
-    def fail(self, error: str, now: float) -> None:
-        """The forward pass failed: the running batch ends with an error."""
-        for seq in self.running:
-            self.life.finish(seq, SeqStatus.FINISHED_ERROR, error, at=now)
-        self.running = []

@@ -23,13 +23,14 @@ import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from aserve.config import EngineConfig
 from aserve.core import Sequence
-from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
 from scheduler import Policy
 from transport.copy import CopyEngine
@@ -59,9 +60,6 @@ class EngineContext:
     max_model_len: int
     clock: Callable[[], float] = time.perf_counter  # the engine driver's one clock
     wiring: Wiring = field(default_factory=Wiring)
-
-    def now(self) -> float:
-        return self.clock()
 
 
 class Actor:
@@ -96,22 +94,22 @@ class Actor:
             try:
                 await self.act()
             except Exception as exc:  # the actor's boundary: log, fail what it held, go on
-                self.core.fail(self.record_error(exc), self.ctx.now())
+                self.core.fail(self.record_error(exc), self.ctx.clock())
 
     async def act(self) -> None:
         """Does what the core asks for next (a forward, then the copies `finish` returns;
         or copies, one after another; the batcher's copies for different orders overlap,
         each copy thread running its own in turn), or waits to be woken when it asks for
         nothing."""
-        start = self.ctx.now()
+        start = self.ctx.clock()
         work = self.core.step(start)
-        self._decided += self.ctx.now() - start
+        self._decided += self.ctx.clock() - start
         if work is None:
             await self._woken.wait()
             return
         if isinstance(work, Forward):
             result = await self.forward(work)
-            work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.now(),
+            work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.clock(),
                                     result.forward_time, self._decided)
             self._decided = 0.0
         elif self.device is None:  # the batcher: orders overlap, as in the simulator
@@ -146,44 +144,30 @@ class Actor:
         try:
             await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
-            self.core.failed(move, self.record_error(exc), self.ctx.now())
+            self.core.failed(move, self.record_error(exc), self.ctx.clock())
             return
-        self.core.landed(move, self.ctx.now())
+        self.core.landed(move, self.ctx.clock())
 
 
 def build_actors(ctx: EngineContext) -> list[Actor]:
     """The actors of `ctx`'s policy, wired to one another; returns them all. NOTE: the
     batcher's orders overlap, as the simulator's do."""
     cfg = ctx.config
-    devices = {"prefill": cfg.prefill_devices, "decode": cfg.decode_devices}
-
-    def drive(core: Core) -> Actor:
-        kind = core.name.rstrip("0123456789")
-        return Actor(ctx, core, devices[kind][core.index] if kind in devices else None)
-
-    return ctx.wiring.connect(drive, ctx.policy, ctx.kv, ctx.life,  # type: ignore[return-value]
-                              cfg.scheduler, len(cfg.prefill_devices), len(cfg.decode_devices))
+    return ctx.wiring.connect(partial(Actor, ctx), ctx.policy, ctx.kv,  # type: ignore[arg-type,return-value]
+                              ctx.life, cfg.scheduler, cfg.prefill_devices, cfg.decode_devices)
 
 
 class KVSpace(BlockLedger):
-    """The engine's KV stores: `prefill{i}` scratch and `staging{j}` buffers on prefill
-    devices, one `host` pool, and `decode{j}` caches. Staging buffer j serves decode
-    instance j and sits on prefill device j mod P (the paper's candidate buffers)."""
+    """The engine's KV stores, as `kv_stores` lays them out plus the `host` pool (pinned
+    when CUDA exists), with their tensors, and the copies between them."""
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry,
                  device_executors: Mapping[str, Executor] | None = None) -> None:
-        cache = config.cache
-        self.geometry = geometry
         pin = torch.cuda.is_available()
-        stores = [KVStore(f"prefill{i}", geometry, cache.num_prefill_blocks, torch.device(dev))
-                  for i, dev in enumerate(config.prefill_devices)]
-        for j, dev in enumerate(config.decode_devices):
-            stores.append(KVStore(f"decode{j}", geometry, cache.num_decode_blocks,
-                                  torch.device(dev)))
-            staging_dev = config.prefill_devices[j % len(config.prefill_devices)]
-            stores.append(KVStore(f"staging{j}", geometry, max(cache.num_staging_blocks, 1),
-                                  torch.device(staging_dev)))
-        stores.append(KVStore.with_capacity_bytes("host", geometry, cache.host_pool_bytes,
+        stores = [KVStore(name, geometry, num_blocks, torch.device(dev))
+                  for name, (dev, num_blocks) in kv_stores(
+                      config.prefill_devices, config.decode_devices, config.cache).items()]
+        stores.append(KVStore.with_capacity_bytes("host", geometry, config.cache.host_pool_bytes,
                                                   torch.device("cpu"), pin_memory=pin))
         self.stores: dict[str, KVStore] = {store.name: store for store in stores}
         super().__init__({s.name: s.allocator for s in stores}, geometry.block_size)

@@ -183,7 +183,7 @@ class Engine:
             raise ValueError(f"{field}: prompt ({len(ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds the model's context "
                              f"({ctx.max_model_len})")
-        self._check_fits(total)
+        ctx.kv.check_fits(total, ctx.policy.uses_pool, "prompt + max_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -194,21 +194,9 @@ class Engine:
     def max_seq_len(self) -> int:
         """The most tokens (prompt + output) one request may hold: the model's context,
         or less when a KV store is smaller."""
-        ctx, cache = self._context, self.config.cache
-        blocks = [cache.num_decode_blocks]
-        if ctx.policy.uses_pool:
-            blocks.append(cache.num_prefill_blocks)
-        return min(ctx.max_model_len, min(blocks) * cache.block_size)
-
-    def _check_fits(self, total: int) -> None:
-        cache, kv = self.config.cache, self._context.kv
-        limits = [("num_decode_blocks", cache.num_decode_blocks)]
-        if self._context.policy.uses_pool:
-            limits.append(("num_prefill_blocks", cache.num_prefill_blocks))
-        for name, limit in limits:
-            if kv.blocks_for(total) > limit:
-                raise ValueError(f"prompt + max_tokens ({total} tokens) needs "
-                                 f"{kv.blocks_for(total)} KV blocks but {name} is {limit}")
+        ctx = self._context
+        blocks = min(ctx.kv.limits(ctx.policy.uses_pool).values())
+        return min(ctx.max_model_len, blocks * ctx.kv.block_size)
 
     @property
     def num_waiting(self) -> int:
@@ -309,7 +297,7 @@ class Engine:
         if request_id not in self._live or self._live[request_id].is_finished:
             return
         ctx.life.abort(request_id, status)
-        ctx.wiring.reap(ctx.now())
+        ctx.wiring.reap(ctx.clock())
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

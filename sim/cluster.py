@@ -5,8 +5,6 @@ hardware (`cluster_for`). The policy, its budgets and knobs are the engine's own
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-
 import msgspec
 
 from aserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -16,31 +14,25 @@ from sim.hardware import Hardware
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch
-_CACHE = CacheConfig()
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    """Devices and KV capacities, as an EngineConfig names them (instances per entry; the
-    devices are simulated, so any names), and the engine's scheduler config."""
+class ClusterConfig(CacheConfig, frozen=True, kw_only=True):
+    """The engine's own configs on simulated devices: its CacheConfig (the KV stores'
+    blocks, validated there; its host pool in GB is the engine's, the simulator's is
+    `num_host_blocks`), its devices (one instance per entry; any names) and its
+    SchedulerConfig."""
 
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
-    block_size: int = _CACHE.block_size  # tokens per KV block
-    num_decode_blocks: int = _CACHE.num_decode_blocks  # per decode (or colocated) instance
-    num_prefill_blocks: int = _CACHE.num_prefill_blocks  # scratch per prefill instance
-    num_staging_blocks: int = _CACHE.num_staging_blocks  # candidate buffer per decode instance
     num_host_blocks: int = 8192  # host KV pool (blocks; the engine sizes it in GiB)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.prefill_devices or not self.decode_devices:
             raise ValueError("prefill_devices and decode_devices must name >= 1 device each")
         if self.num_host_blocks < 1:
             raise ValueError(f"num_host_blocks ({self.num_host_blocks}) must be >= 1")
-        CacheConfig(block_size=self.block_size, num_decode_blocks=self.num_decode_blocks,
-                    num_prefill_blocks=self.num_prefill_blocks,
-                    num_staging_blocks=self.num_staging_blocks)  # the engine's validation
 
     @classmethod
     def create(cls, **kwargs: object) -> ClusterConfig:
@@ -51,12 +43,11 @@ class ClusterConfig:
     def replace(self, **kwargs: object) -> ClusterConfig:
         """A copy with the given fields, flat scheduler keywords included (see `create`)."""
         knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__struct_fields__}
-        unknown = set(kwargs) - {f.name for f in fields(self)}
+        unknown = set(kwargs) - set(self.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown cluster option(s): {', '.join(sorted(unknown))}")
-        scheduler = kwargs.pop("scheduler", self.scheduler)
-        return replace(self, scheduler=msgspec.structs.replace(scheduler, **knobs),  # type: ignore[arg-type]
-                       **kwargs)  # type: ignore[arg-type]
+        scheduler = msgspec.structs.replace(kwargs.pop("scheduler", self.scheduler), **knobs)  # type: ignore[arg-type]
+        return msgspec.structs.replace(self, scheduler=scheduler, **kwargs)
 
     @property
     def colocated_devices(self) -> tuple[str, ...]:
@@ -65,13 +56,9 @@ class ClusterConfig:
 
     @classmethod
     def from_engine(cls, config: EngineConfig, num_host_blocks: int) -> ClusterConfig:
-        """The cluster an engine config describes (its host pool, sized in bytes there, in
-        blocks here)."""
-        cache = config.cache
-        return cls(prefill_devices=config.prefill_devices, decode_devices=config.decode_devices,
-                   block_size=cache.block_size, num_decode_blocks=cache.num_decode_blocks,
-                   num_prefill_blocks=cache.num_prefill_blocks,
-                   num_staging_blocks=cache.num_staging_blocks, num_host_blocks=num_host_blocks,
+        """The cluster an engine config describes (its host pool in blocks here)."""
+        return cls(**msgspec.structs.asdict(config.cache), prefill_devices=config.prefill_devices,
+                   decode_devices=config.decode_devices, num_host_blocks=num_host_blocks,
                    scheduler=config.scheduler)
 
     def policy_config(self, max_len: int) -> PolicyConfig:

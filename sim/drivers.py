@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from aserve.core import SeqStatus
-from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
@@ -34,19 +34,14 @@ class SimContext:
     wiring: Wiring = field(default_factory=Wiring)
     kv: BlockLedger = field(init=False)
     life: Lifecycle = field(init=False)
+    store_devices: dict[str, str] = field(init=False)  # KV store -> its device
 
     def __post_init__(self) -> None:
         cfg = self.config
-        sizes = {"host": cfg.num_host_blocks}
-        if self.policy.uses_pool:
-            sizes |= {f"prefill{i}": cfg.num_prefill_blocks
-                      for i in range(len(cfg.prefill_devices))}
-            for j in range(len(cfg.decode_devices)):
-                sizes |= {f"decode{j}": cfg.num_decode_blocks,
-                          f"staging{j}": max(cfg.num_staging_blocks, 1)}
-        else:
-            sizes |= {f"decode{k}": cfg.num_decode_blocks
-                      for k in range(len(cfg.colocated_devices))}
+        decode_devices = cfg.decode_devices if self.policy.uses_pool else cfg.colocated_devices
+        stores = kv_stores(cfg.prefill_devices, decode_devices, cfg)
+        self.store_devices = {name: dev for name, (dev, _) in stores.items()}
+        sizes = {name: n for name, (_, n) in stores.items()} | {"host": cfg.num_host_blocks}
         self.kv = BlockLedger({name: BlockAllocator(n, cfg.block_size, name)
                                for name, n in sizes.items()}, cfg.block_size)
         self.life = Lifecycle(self.kv, eos_token_id=-1, record_tokens=self.record_tokens)
@@ -64,20 +59,13 @@ class SimContext:
             self.devices[name] = Device(name)
         return self.devices[name]
 
-    def device_of(self, store: str) -> str:
-        """The device a KV store lives on (staging j on prefill device j mod P)."""
-        cfg, index = self.config, int(store.lstrip("abcdefghijklmnopqrstuvwxyz") or 0)
-        if store.startswith("decode"):
-            return cfg.decode_devices[index]
-        return cfg.prefill_devices[index % len(cfg.prefill_devices)]
-
     def link_for(self, move: Move) -> Link:
         """Host moves use the device's PCIe link, one per direction; device moves the device
         link (NVLink), or a plain memcpy within one device. On a CPU (`not hardware.is_gpu`)
         the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
         copies in the device's thread."""
         hw = self.cost.hardware
-        src, dst = self.device_of(move.src), self.device_of(move.dst)
+        src, dst = self.store_devices.get(move.src), self.store_devices.get(move.dst)
         if move.src == "host":
             device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
         elif move.dst == "host":
@@ -156,12 +144,8 @@ class Instance:
                 self.is_busy = True
                 self._copy(work)
                 return
-            for move in work:
-                self.ctx.copy(move, self._landed)
-
-    def _landed(self, move: Move, now: float) -> None:
-        self.core.landed(move, now)
-        self.act()
+            for move in work:  # the batcher's: each acts again once landed
+                self._copy([move])
 
     def _copy(self, moves: list[Move]) -> None:
         """Copies `moves` one after another (the engine awaits each), then acts again."""
@@ -189,13 +173,6 @@ class Instance:
 def build_instances(ctx: SimContext) -> list[Instance]:
     """The simulated instances of `ctx`'s policy, wired to one another; returns them all."""
     cfg = ctx.config
-    uses_pool = ctx.policy.uses_pool
-    devices = {"prefill": cfg.prefill_devices,
-               "decode": cfg.decode_devices if uses_pool else cfg.colocated_devices}
-
-    def drive(core: Core) -> Instance:
-        kind = core.name.rstrip("0123456789")
-        return Instance(ctx, core, devices[kind][core.index] if kind in devices else None)
-
-    return ctx.wiring.connect(drive, ctx.policy, ctx.kv, ctx.life,  # type: ignore[return-value]
-                              cfg.scheduler, len(cfg.prefill_devices), len(devices["decode"]))
+    decode_devices = cfg.decode_devices if ctx.policy.uses_pool else cfg.colocated_devices
+    return ctx.wiring.connect(partial(Instance, ctx), ctx.policy, ctx.kv,  # type: ignore[arg-type,return-value]
+                              ctx.life, cfg.scheduler, cfg.prefill_devices, decode_devices)

@@ -55,18 +55,16 @@ class Link:
     a CPU copies between CPU stores in the device's worker thread, between its forwards).
     """
 
-    __slots__ = ("name", "bandwidth", "busy_until", "num_bytes", "device")
+    __slots__ = ("name", "bandwidth", "busy_until", "device")
 
     def __init__(self, name: str, bandwidth: float, device: Device | None = None) -> None:
         if not bandwidth > 0:
             raise ValueError(f"bandwidth ({bandwidth}) of link {name!r} must be > 0")
         self.name, self.bandwidth, self.device = name, bandwidth, device
         self.busy_until = 0.0
-        self.num_bytes = 0.0  # moved so far
 
     def transfer(self, start: float, num_bytes: float) -> float:
         """Queues `num_bytes` no earlier than `start`; returns when they have arrived."""
-        self.num_bytes += num_bytes
         if self.device is not None:
             self.busy_until = self.device.run(start, num_bytes / self.bandwidth)[1]
             return self.busy_until

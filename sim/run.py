@@ -14,7 +14,7 @@ from aserve.core import Event, IterationRecord, Request, SamplingParams, Transfe
 from aserve.core import Sequence as SeqState
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, summarize
 from bench.workloads import Workload
-from scheduler import ceil_div, get_policy, tree_range
+from scheduler import get_policy, tree_range
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
 from sim.drivers import SimContext, build_instances
@@ -44,29 +44,6 @@ class SimResult:
         return summarize(self.system, self.events, self.iterations, ttft_target, tpot_target)
 
 
-def check_fits(workload: Workload, config: ClusterConfig, uses_pool: bool) -> None:
-    """Every request must fit the stores it passes through, or the run could never end.
-
-    Raises:
-        ValueError: naming the first request that does not fit and the limit.
-    """
-    block = config.block_size
-    # NOTE: as in the engine, a request above the batch share of decode KV gets the whole
-    # cache, and one larger than the staging buffer stays in the host pool until admitted
-    # (so staging sets no limit).
-    limits = [("num_decode_blocks", config.num_decode_blocks)]
-    if uses_pool:
-        limits += [("num_prefill_blocks", config.num_prefill_blocks),
-                   ("num_host_blocks", config.num_host_blocks)]
-    for req in workload.requests:
-        num_blocks = ceil_div(req.prompt_len + req.output_len, block)
-        for name, limit in limits:
-            if num_blocks > limit:
-                raise ValueError(
-                    f"request {req.request_id!r} needs {num_blocks} blocks "
-                    f"({req.prompt_len} + {req.output_len} tokens) but {name} allows {limit}")
-
-
 def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostModel,
              record_tokens: bool = True, aborts: Mapping[str, float] | None = None,
              horizon: float = math.inf, max_events: int | None = None) -> SimResult:
@@ -76,15 +53,18 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     first, so a run that stops making progress ends with `num_finished < num_requests`.
 
     Raises:
-        ValueError: for an unknown policy or a request that cannot fit (see check_fits).
+        ValueError: for an unknown policy or a request that cannot fit
+            (`BlockLedger.check_fits`).
     """
     began = time.perf_counter()
     longest = max((r.prompt_len + r.output_len for r in workload.requests), default=1)
     policy = get_policy(system, config.policy_config(tree_range(max(MIN_TREE_RANGE,
                                                                      longest + 1))),
                         cost.iteration_time)
-    check_fits(workload, config, policy.uses_pool)
     ctx = SimContext(config, cost, policy, record_tokens)
+    for req in workload.requests:
+        ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
+                          f"request {req.request_id!r}")
     build_instances(ctx)
     for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
