@@ -55,13 +55,15 @@ typedef struct {
 
 /* c (R x 16, row stride NR) += a (R rows, stride lda) [:, 0:kc] @ b (kc x 16) */
 #define MICRO(R)                                                                        \
-static void micro_##R(int64_t kc, const float *a, int64_t lda, const float *b, float *c) { \
+static void micro_##R(int64_t kc, const float *a, int64_t lda, const float *b, float *c, \
+                      const float *next) {                                              \
     f32x8 c0[R], c1[R];                                                                 \
     _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
         c0[r] = ld(c + r * NR); c1[r] = ld(c + r * NR + 8);                             \
     }                                                                                   \
-    for (int64_t p = 0; p < kc; p++) {                                                  \
+    _Pragma("GCC unroll 4") for (int64_t p = 0; p < kc; p++) {                          \
         const f32x8 b0 = ld(b + p * NR), b1 = ld(b + p * NR + 8);                       \
+        if (next != NULL) __builtin_prefetch(next + p * NR, 0, 2);                      \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
             const float s = a[r * lda + p];                                             \
             const f32x8 av = {s, s, s, s, s, s, s, s};                                  \
@@ -73,7 +75,8 @@ static void micro_##R(int64_t kc, const float *a, int64_t lda, const float *b, f
     }                                                                                   \
 }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
-typedef void (*micro_fn)(int64_t, const float *, int64_t, const float *, float *);
+typedef void (*micro_fn)(int64_t, const float *, int64_t, const float *, float *,
+                         const float *);
 static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5,
                                         micro_6};
 
@@ -108,9 +111,13 @@ static void run(Shared *s) {
         memset(tile, 0, sizeof(float) * m * NR);
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
+            /* the first row tile pulls the panel's next K block (or the next panel's first)
+               towards L2 while the weights stream from memory */
+            const float *next = k0 + KC < k ? wp + (k0 + KC) * NR
+                                : j + 1 < panels ? wp + k * NR : NULL;
             for (int64_t i = 0; i < m; i += MR)
                 MICROS[m - i < MR ? m - i : MR](kc, x + i * g->x_stride + k0, g->x_stride,
-                                                wp + k0 * NR, tile + i * NR);
+                                                wp + k0 * NR, tile + i * NR, i == 0 ? next : NULL);
         }
         const int64_t n0 = j * NR, cols = n - n0 < NR ? n - n0 : NR;
         for (int64_t i = 0; i < m; i++) {
