@@ -146,16 +146,21 @@ class Float32Linear(nn.Module):
                        "onednn" if big and torch.backends.mkldnn.is_available() else "torch")
         # NOTE: packed on the first forward, in the runner's thread: packing opt-125m takes
         # seconds on a slow CPU, which start-up (and /health) should not wait for.
-        self.packed: Tensor | None = None  # float32, in `kernel`'s layout
+        self.packed: Tensor | None = None  # the weight in `kernel`'s layout (`_pack`)
 
     @property
     def is_packed(self) -> bool:
         return self.kernel != "torch"
 
     def _pack(self) -> Tensor:
+        """The weight in `kernel`'s layout: `cpu_gemm` panels (bf16 weights stay bf16,
+        widened exactly in the kernel: half the bytes per step and no float32 copy),
+        oneDNN's float32 layout, or the float32 weight."""
+        if self.kernel == "gemm":
+            self.packed = cpu_gemm.pack(self.weight)
+            return self.packed
         w = self.weight.detach().float()  # [out, in]
-        self.packed = (cpu_gemm.pack(w) if self.kernel == "gemm" else
-                       torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
                        if self.kernel == "onednn" else w)
         return self.packed
 
@@ -328,10 +333,11 @@ class OPTForCausalLM(nn.Module):
         self.lm_head: Float32Linear | None = None  # set by `use_float32_matmuls`
 
     def use_float32_matmuls(self) -> None:
-        """Computes every linear layer and the LM head in float32 from prepacked float32
-        weights (`Float32Linear`; memory: one float32 copy of the matmul weights besides
-        the originals), and keeps the activations between them (residual stream,
-        LayerNorms, queries and attention outputs) in float32, so that nothing converts
+        """Computes every linear layer and the LM head in float32 from prepacked weights
+        (`Float32Linear`; memory: one packed copy of the matmul weights besides the
+        originals, in float32 or, with the C GEMM, in a bf16 model's bf16), and keeps
+        the activations between them (residual stream, LayerNorms, queries and attention
+        outputs) in float32, so that nothing converts
         around each matmul; the embedding tables and the KV cache keep the model's dtype
         (K/V are rounded to it when written). The LayerNorm parameters become float32
         (exact copies of their values)."""

@@ -97,3 +97,17 @@ def test_float32_linear_matches_torch_with_and_without_the_kernel(
         half = layer(x.bfloat16(), residual=residual.bfloat16())  # bf16 model, bf16 stream
         assert half.dtype == torch.bfloat16
         torch.testing.assert_close(half.float(), want + residual, rtol=2e-2, atol=5e-2)
+
+
+@needs_kernel
+def test_bf16_panels_compute_what_their_float32_widening_does() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 300, generator=g).bfloat16()
+    x, b = torch.randn(13, 300, generator=g), torch.randn(70, generator=g)
+    packed = cpu_gemm.pack(w)
+    assert packed.dtype == torch.bfloat16  # half the bytes, no float32 copy
+    out = cpu_gemm.linear(x, packed, 70, b, relu=True)
+    same = cpu_gemm.linear(x, cpu_gemm.pack(w.float()), 70, b, relu=True)
+    assert out is not None and same is not None and torch.equal(out, same)  # exact widening
+    torch.testing.assert_close(out.double(), reference(x, w.float(), b, True, None),
+                               rtol=0, atol=2e-5 * 300 ** 0.5)
