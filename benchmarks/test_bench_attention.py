@@ -1,5 +1,6 @@
-"""Benchmarks: decode attention per backend on uniform vs skewed batches, and a full
-opt-125m decode step beside its roofline floor measured in the same run. Prints tables.
+"""Benchmarks: decode attention per backend on uniform vs skewed batches, a full
+opt-125m decode step beside its roofline floor measured in the same run, and each float32
+GEMM at the step's linear shapes. Prints tables.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from models import cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.loader import build_preset
 from models.opt import OPTForCausalLM, fit_matmuls_to, has_half_matmul
@@ -178,3 +181,52 @@ def test_opt125m_decode_step_vs_roofline() -> None:
                   f"{statistics.median(rates):11.1f} {statistics.median(bandwidths):10.1f} "
                   f"{spread(ratios):>19}x {spread(cpu_ratios):>19}x", flush=True)
         print(f"{dtype_name}: floor matmul {rate_dtype} {floor.a.shape[0]}^3")
+
+
+LINEAR_SHAPES = {"qkv 2304x768": (2304, 768), "out_proj 768x768": (768, 768),
+                 "fc1 3072x768": (3072, 768), "fc2 768x3072": (768, 3072),
+                 "lm_head 50272x768": (50272, 768)}
+
+
+def linear_candidates(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor
+                      ) -> dict[str, Callable[[], object]]:
+    """Every float32 GEMM torch offers this CPU for `F.linear(x, w, b)`, and the C kernel."""
+    rows, out = x.shape[0], w.shape[0]
+    fns: dict[str, Callable[[], object]] = {"F.linear (MKL)": lambda: F.linear(x, w, b)}
+    if torch.backends.mkldnn.is_available():
+        dnn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        fns["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, dnn, b, "none",
+                                                                          [], "")
+    if torch.backends.mkl.is_available():
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+        fns["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, b, rows)
+    if cpu_gemm.is_available():
+        p32, p16 = cpu_gemm.pack(w), cpu_gemm.pack(w.bfloat16())
+        fns["C gemm"] = lambda: cpu_gemm.linear(x, p32, out, b)
+        fns["C gemm, bf16 panels"] = lambda: cpu_gemm.linear(x, p16, out, b)
+    return fns
+
+
+def test_linear_kernels_at_decode_shapes() -> None:
+    """GFLOP per CPU second (all threads) of each GEMM on opt-125m's linear shapes, calls
+    interleaved round by round; median of the rounds. Float32 inputs and outputs."""
+    print(f"\nfloat32 linear layers, GFLOP per CPU second, median of interleaved rounds; "
+          f"{torch.get_num_threads()} threads; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name, (out, inp) in LINEAR_SHAPES.items():
+            w, b = torch.randn(out, inp, generator=g), torch.randn(out, generator=g)
+            for rows in (1, 16, 64, 128):
+                x = torch.randn(rows, inp, generator=g)
+                fns = linear_candidates(w, b, x)
+                cpu: dict[str, list[float]] = {k: [] for k in fns}
+                for fn in fns.values():
+                    fn()  # warm-up
+                for _ in range(3 if out > 10000 else 11):
+                    for key, fn in fns.items():
+                        cpu[key].append(timed(fn)[1])
+                flops = 2 * rows * out * inp
+                print(f"{name:18} rows {rows:3} " + "  ".join(
+                    f"{key} {flops / max(statistics.median(t), 1e-9) / 1e9:6.1f}"
+                    for key, t in cpu.items()), flush=True)

@@ -14,27 +14,19 @@ items are whole sequences (single heads when the batch is small), handed out to
 
 Optional, as the plain-torch path stays the reference: `decode` returns None when the
 kernel cannot run (no C compiler, another dtype or device, a head_dim not a multiple of
-8), and the caller falls back. The shared library is cached under $ASERVE_CACHE_DIR (default
-~/.cache/aserve), named by a hash of the source, flags and CPU; ASERVE_CPU_KERNELS=0 disables it.
+8), and the caller falls back. Built and cached by `models.cpu_kernels` (ASERVE_CPU_KERNELS=0
+disables it).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from models import cpu_kernels
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 LANES = 8  # floats per AVX2 register: head_dim must be a multiple (opt: 64; opt-tiny: 16)
@@ -203,56 +195,14 @@ int paged_decode(const void *q, const void *k_new, const void *v_new, int64_t q_
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("ASERVE_CACHE_DIR") or Path.home() / ".cache" / "aserve")
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (Linux), or "" where /proc/cpuinfo is missing."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))),
-                "")
-
 
 @cache
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
-    if os.environ.get("ASERVE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler: paged attention uses its plain-torch path")
-        return None
-    # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
-    # the key names this CPU's instruction sets.
-    key = "\n".join((_SOURCE, " ".join(_FLAGS), compiler, platform.machine(), _cpu_flags()))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode_{digest}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                source, built = Path(tmp) / "paged_decode.c", Path(tmp) / path.name
-                source.write_text(_SOURCE)
-                subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                built.replace(path)  # atomic: concurrent processes see a whole library
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("paged attention kernel not built (%s): using the plain-torch path",
-                       exc)
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64,
-                                 i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
-    lib.paged_decode.restype = ctypes.c_int
-    return lib
+    return cpu_kernels.build("paged_decode", _SOURCE, [
+        ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+        ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int])
 
 
 def is_supported(kv_cache: Tensor) -> bool:

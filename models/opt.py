@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models import cpu_gemm
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -120,31 +121,48 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
 
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
 PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
+KERNELS = ("gemm", "onednn", "torch")  # Float32Linear's GEMMs, in order of preference
 
 
 class Float32Linear(nn.Module):
-    """An `nn.Linear` computed in float32 from a weight prepacked once for oneDNN: inputs
-    upcast exactly, float32 accumulation, output in the input's dtype. For a bf16/fp16
-    model that is what a native half GEMM computes, at float32 GEMM speed on CPUs that have
-    none; for a float32 model it is the same product without repacking the weight per call.
-    `weight` stays the original tensor (its values and dtype, e.g. for a state dict)."""
+    """An `nn.Linear` computed in float32 from a weight prepacked once: inputs upcast
+    exactly, float32 accumulation, output in the input's dtype. For a bf16/fp16 model that
+    is what a native half GEMM computes, at float32 GEMM speed on CPUs that have none; for
+    a float32 model it is the same product without repacking the weight per call.
+    `weight` stays the original tensor (its values and dtype, e.g. for a state dict).
+
+    `kernel` is the first of `KERNELS` that runs here: `models.cpu_gemm` (C, 16-column
+    panels; faster than oneDNN at decode shapes on issue 17's AVX2 CPU, benchmarks/RESULTS.md
+    §10), oneDNN's prepacked linear, or `F.linear`; weights under `PACK_MIN_WEIGHTS`
+    elements take `F.linear`."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
-        self.is_packed = (torch.backends.mkldnn.is_available()
-                          and weight.numel() >= PACK_MIN_WEIGHTS)
+        big = weight.numel() >= PACK_MIN_WEIGHTS
+        self.kernel = ("gemm" if big and cpu_gemm.is_available() else
+                       "onednn" if big and torch.backends.mkldnn.is_available() else "torch")
         # NOTE: packed on the first forward, in the runner's thread: packing opt-125m takes
         # seconds on a slow CPU, which start-up (and /health) should not wait for.
-        self.packed: Tensor | None = None  # [out, in] float32 (oneDNN layout if is_packed)
+        self.packed: Tensor | None = None  # the weight in `kernel`'s layout (`_pack`)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.kernel != "torch"
 
     def _pack(self) -> Tensor:
+        """The weight in `kernel`'s layout: `cpu_gemm` panels (bf16 weights stay bf16,
+        widened exactly in the kernel: half the bytes per step and no float32 copy),
+        oneDNN's float32 layout, or the float32 weight."""
+        if self.kernel == "gemm":
+            self.packed = cpu_gemm.pack(self.weight)
+            return self.packed
         w = self.weight.detach().float()  # [out, in]
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH) if self.is_packed else w
-        self.packed = packed
-        return packed
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
+                       if self.kernel == "onednn" else w)
+        return self.packed
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Float32Linear:
@@ -153,14 +171,23 @@ class Float32Linear(nn.Module):
     def forward(self, x: Tensor, relu: bool = False, residual: Tensor | None = None
                 ) -> Tensor:
         """`x @ weight.T + bias`, then ReLU (`relu`) or `+ residual`, in x's dtype. Packed,
-        both run as oneDNN post-ops on a float32 output (no separate pass over it)."""
+        both run on the float32 output inside the GEMM (no separate pass over it)."""
         x32 = x.float()  # [num_tokens, in]
         packed = self._pack() if self.packed is None else self.packed
-        if self.is_packed and residual is not None and residual.dtype == torch.float32:
+        fuse_residual = residual is not None and residual.dtype == torch.float32
+        out: Tensor | None = None
+        if self.kernel == "gemm":
+            out = cpu_gemm.linear(x32, packed, self.weight.shape[0], self.bias, relu,
+                                  residual if fuse_residual else None)
+            if out is not None:
+                out = out.to(x.dtype)  # [num_tokens, out]
+                return out if residual is None or fuse_residual else out.add_(residual)
+            packed = self.weight.detach().float()  # not runnable here: F.linear below
+        elif self.kernel == "onednn" and fuse_residual:
             out = torch.ops.mkldnn._linear_pointwise.binary(x32, residual, packed, self.bias,
                                                             "add")
             return out.to(x.dtype)  # [num_tokens, out]
-        if self.is_packed:
+        if self.kernel == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias,
                                                      "relu" if relu else "none", [], "")
         else:
@@ -306,10 +333,11 @@ class OPTForCausalLM(nn.Module):
         self.lm_head: Float32Linear | None = None  # set by `use_float32_matmuls`
 
     def use_float32_matmuls(self) -> None:
-        """Computes every linear layer and the LM head in float32 from prepacked float32
-        weights (`Float32Linear`; memory: one float32 copy of the matmul weights besides
-        the originals), and keeps the activations between them (residual stream,
-        LayerNorms, queries and attention outputs) in float32, so that nothing converts
+        """Computes every linear layer and the LM head in float32 from prepacked weights
+        (`Float32Linear`; memory: one packed copy of the matmul weights besides the
+        originals, in float32 or, with the C GEMM, in a bf16 model's bf16), and keeps
+        the activations between them (residual stream, LayerNorms, queries and attention
+        outputs) in float32, so that nothing converts
         around each matmul; the embedding tables and the KV cache keep the model's dtype
         (K/V are rounded to it when written). The LayerNorm parameters become float32
         (exact copies of their values)."""

@@ -118,13 +118,19 @@ def test_float32_matmuls_compute_what_half_precision_does(dtype: torch.dtype) ->
     assert upcast.model.decoder.embed_tokens.weight.dtype == dtype
 
 
+@pytest.mark.parametrize("c_gemm", [True, False])
 def test_prepacked_float32_matmuls_match_hf(hf_checkpoint: HFCheckpoint,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            c_gemm: bool) -> None:
     hf, path = hf_checkpoint
     model, _ = load_checkpoint(path, torch.float32, "cpu")
     monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)  # pack the tiny weights too
+    if not c_gemm:
+        monkeypatch.setattr(models.opt.cpu_gemm, "is_available", lambda: False)
     assert fit_matmuls_to(model, torch.device("cpu"))
-    assert model.model.decoder.layers[0].fc1.is_packed == torch.backends.mkldnn.is_available()
+    want = ("gemm" if c_gemm and models.opt.cpu_gemm.is_available() else
+            "onednn" if torch.backends.mkldnn.is_available() else "torch")
+    assert model.model.decoder.layers[0].fc1.kernel == want
     prompts = random_prompts([1, 7, 13, 30, 4], hf.config.vocab_size, seed=4)
     logits = PagedRunner(model, [len(p) for p in prompts]).step(dict(enumerate(prompts)))
     for ids, ours in zip(prompts, logits):
