@@ -197,7 +197,8 @@ def admission_room(view: BoundaryView, reserve: int | None = None) -> tuple[int,
 def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
                     is_strict: bool, max_spread: float | None = None,
                     accepts: Callable[[list[int], SeqView], bool] | None = None,
-                    reserve: int | None = None) -> BoundaryPlan:
+                    reserve: int | None = None,
+                    lengths: Sequence[int] | None = None) -> BoundaryPlan:
     """Admit candidate requests, then the candidate batch, in the given orders.
 
     A seq is admitted only if it fits the remaining blocks with its growth (for the next
@@ -208,11 +209,12 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     shortest (a candidate batch wider than that enters in pieces, as the batch drains).
     ``accepts(lengths, seq)``: a candidate request (not a candidate batch seq) is also
     skipped unless it accepts joining seqs of ``lengths`` (the running ones and those
-    admitted so far). ``reserve``: the running seqs' growth, see ``admission_room``.
+    admitted so far). ``reserve``: the running seqs' growth, see ``admission_room``;
+    ``lengths``: the running seqs' lengths, where the caller has them (not changed).
     """
     blocks_left, slots_left = admission_room(view, reserve)
     spread = None if max_spread is None else LengthRange.of(s.length for s in view.running)
-    lengths = [s.length for s in view.running]
+    lengths = [s.length for s in view.running] if lengths is None else list(lengths)
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:

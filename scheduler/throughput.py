@@ -204,8 +204,9 @@ class AlignedPolicy(AlignedStrictPolicy):
           seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
         """
         self._begin(view.max_batch_size)
-        if (self.is_starving(view, view.candidate_requests)
-                or self.is_starving(view, view.candidate_batch)):
+        batch_wait = oldest_wait(view.candidate_batch) if view.candidate_batch else None
+        if self.is_starving(view, view.candidate_requests) or (
+                batch_wait is not None and self._past_threshold(view, batch_wait)):
             return super().plan_boundary(view)
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
@@ -218,16 +219,17 @@ class AlignedPolicy(AlignedStrictPolicy):
         stalled = self._stalled(view, running)
         if stalled:
             return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
-        view = with_headroom(view, self.headroom_kept(view, running))
+        view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
         current = ([s for s in view.running if s.batch_id == view.current_batch_id]
                    if view.candidate_requests else [])  # only refills look at it
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
             return plan_admissions(view, requests, batch, is_strict=False,
-                                   accepts=self._lowers_waste, reserve=reserve)
+                                   accepts=self._lowers_waste, reserve=reserve,
+                                   lengths=running)
         plan = plan_admissions(view, requests, [], is_strict=False,
-                               accepts=self._lowers_waste, reserve=reserve)
+                               accepts=self._lowers_waste, reserve=reserve, lengths=running)
         if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
             return plan
         return self._switch_to(view, batch, unswitched=plan)
@@ -247,14 +249,15 @@ class AlignedPolicy(AlignedStrictPolicy):
         stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
         return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
 
-    def headroom_kept(self, view: BoundaryView, running: Sequence[int]) -> float:
-        """The share of the headroom kept at this boundary: 1 with no candidate batch, less
-        as its oldest seq waits, 0 after ``HEADROOM_STEPS`` predicted steps of ``running``."""
-        if not view.candidate_batch or not running or not HEADROOM_STEPS:
+    def headroom_kept(self, now: float, running: Sequence[int],
+                      batch_wait: float | None) -> float:
+        """The share of the headroom kept at ``now``: 1 with no candidate batch
+        (``batch_wait`` None, else its oldest seq's ``wait_start``), less as that seq waits,
+        0 after ``HEADROOM_STEPS`` predicted steps of ``running``."""
+        if batch_wait is None or not running or not HEADROOM_STEPS:
             return 1.0
         bound = self._stall_bound(running, HEADROOM_STEPS)
-        waited = view.now - oldest_wait(view.candidate_batch)
-        return max(0.0, 1.0 - waited / bound) if bound > 0 else 0.0
+        return max(0.0, 1.0 - (now - batch_wait) / bound) if bound > 0 else 0.0
 
     def _stall_bound(self, running: Sequence[int], steps: int) -> float:
         """Seconds of ``steps`` predicted steps of the running batch (0 with none)."""
@@ -300,11 +303,13 @@ def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:
     """``view`` with the running seqs' growth over ``HEADROOM_STEPS`` steps (at most
     ``HEADROOM_SHARE`` of the instance's blocks), times ``kept``, taken out of its free
     blocks: what admissions may fill without an eviction soon after."""
-    if not view.running or not HEADROOM_STEPS:
+    if not view.running or not HEADROOM_STEPS or kept <= 0:
         return view
-    held = sum(s.num_blocks for s in view.running)
     growth = ceil_div(len(view.running) * HEADROOM_STEPS, view.block_size)
-    reserve = int(kept * min(growth, int(HEADROOM_SHARE * (held + view.free_blocks))))
+    if growth > int(HEADROOM_SHARE * view.free_blocks):  # the cap may bind: count the held
+        held = sum(s.num_blocks for s in view.running)
+        growth = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    reserve = int(kept * growth)
     return dataclasses.replace(view, free_blocks=max(0, view.free_blocks - reserve))
 
 
