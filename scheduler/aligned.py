@@ -19,6 +19,7 @@ from scheduler.batching import (
     by_distance,
     by_length_desc,
     median_length,
+    oldest_wait,
     plan_admissions,
     plan_boundary_with,
     plan_evictions,
@@ -66,7 +67,7 @@ class AlignedStrictPolicy(Policy):
 
     def is_starving(self, view: BoundaryView, seqs: Sequence[SeqView]) -> bool:
         """Whether one of `seqs` has waited longer than the threshold at the boundary."""
-        return any(self._past_threshold(view, s.wait_start) for s in seqs)
+        return bool(seqs) and self._past_threshold(view, oldest_wait(seqs))
 
     def is_overdue(self, view: BoundaryView, seq: SeqView) -> bool:
         """Whether ``seq`` arrived longer than the starvation threshold ago: it is never

@@ -157,6 +157,12 @@ def growth(seqs: Iterable[SeqView], block_size: int, num_lookahead: int = 0) -> 
     return sum(need for s in seqs if (need := (s.length + offset) // block_size - s.num_blocks) > 0)
 
 
+def oldest_wait(seqs: Iterable[SeqView]) -> float:
+    """The earliest ``wait_start`` of non-empty ``seqs`` (inlined: it runs over the candidate
+    batch at every boundary)."""
+    return min(s.arrival_time if s.waiting_since is None else s.waiting_since for s in seqs)
+
+
 def plan_evictions(view: BoundaryView,
                    victims: Callable[[], Iterable[SeqView]]) -> tuple[str, ...]:
     """Evict from ``victims()`` (in order) until the next step's growth fits
@@ -177,19 +183,22 @@ def plan_evictions(view: BoundaryView,
     return tuple(evicted)
 
 
-def admission_room(view: BoundaryView) -> tuple[int, int]:
+def admission_room(view: BoundaryView, reserve: int | None = None) -> tuple[int, int]:
     """(blocks, slots) free for admissions once the running seqs' growth is reserved.
 
     The reserve covers the next step and the one after (ADMIT_LOOKAHEAD), see
-    ``plan_boundary_with``.
+    ``plan_boundary_with``; ``reserve``: that growth if the caller has it already.
     """
-    reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+    if reserve is None:
+        reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
     return view.free_blocks - reserve, view.max_batch_size - len(view.running)
 
 
 def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequence[SeqView],
                     is_strict: bool, max_spread: float | None = None,
-                    accepts: Callable[[list[int], SeqView], bool] | None = None) -> BoundaryPlan:
+                    accepts: Callable[[list[int], SeqView], bool] | None = None,
+                    reserve: int | None = None,
+                    lengths: Sequence[int] | None = None) -> BoundaryPlan:
     """Admit candidate requests, then the candidate batch, in the given orders.
 
     A seq is admitted only if it fits the remaining blocks with its growth (for the next
@@ -200,11 +209,12 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     shortest (a candidate batch wider than that enters in pieces, as the batch drains).
     ``accepts(lengths, seq)``: a candidate request (not a candidate batch seq) is also
     skipped unless it accepts joining seqs of ``lengths`` (the running ones and those
-    admitted so far).
+    admitted so far). ``reserve``: the running seqs' growth, see ``admission_room``;
+    ``lengths``: the running seqs' lengths, where the caller has them (not changed).
     """
-    blocks_left, slots_left = admission_room(view)
+    blocks_left, slots_left = admission_room(view, reserve)
     spread = None if max_spread is None else LengthRange.of(s.length for s in view.running)
-    lengths = [s.length for s in view.running]
+    lengths = [s.length for s in view.running] if lengths is None else list(lengths)
     admitted: tuple[list[str], list[str]] = ([], [])
     for chosen, seqs in zip(admitted, (requests, batch)):
         for seq in seqs:

@@ -13,11 +13,14 @@ from collections.abc import Sequence
 
 from scheduler.aligned import AlignedStrictPolicy
 from scheduler.batching import (
+    ADMIT_LOOKAHEAD,
     BoundaryPlan,
     BoundaryView,
     SeqView,
     by_arrival,
     ceil_div,
+    growth,
+    oldest_wait,
     plan_admissions,
     plan_evictions,
 )
@@ -32,14 +35,14 @@ WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are e
 # tokens, and an evicted seq waits, in the candidate requests buffer, until blocks for all
 # its KV are free: seconds for a long one on a full decode instance, spread over few tokens.
 # So a seq that waits longer than STALL_STEPS predicted steps for its next token goes first,
-# in the order it stalled. Admissions may also leave the running seqs room to grow for
+# in the order it stalled. Admissions also leave the running seqs room to grow for
 # HEADROOM_STEPS more steps (at most HEADROOM_SHARE of the instance's blocks), so that
-# evictions become rare: 64 met the simulator's P99 TPOT target where the stall bound alone
-# did not (RESULTS §12), but it is off (0) by default, because it makes the engine driver
-# and the simulator part ways in tests/cores/test_differential.py (the same policy calls
-# and answers, then the simulator stages a copy the engine does not: orders overlap in the
-# simulator, not in the engine, see sim/drivers.py's Batcher), a driver difference that
-# scenario had not reached before.
+# evictions become rare (64 met the simulator's P99 TPOT target where the stall bound alone
+# did not). That room is held back from the candidate batch too, whose seqs wait for their
+# second token meanwhile (ShareGPT4 at trace rate: fresh requests waited 1-2 s beside a
+# decode instance with room for them), so it shrinks as the candidate batch waits: to none
+# once its oldest seq has waited HEADROOM_STEPS predicted steps, as long as the room was
+# meant to protect the running seqs for (``headroom_kept``).
 HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
@@ -62,26 +65,31 @@ class AlignedPolicy(AlignedStrictPolicy):
         self._line_key: tuple[object, ...] = ()
         # per decision: the running seqs' waste as admissions grow them (size, waste), the
         # last candidate's (the running seqs' next, if it is admitted), and the step times
-        # asked so far (the same lengths are costed by several rules)
+        # asked so far and in the last decision (the same lengths are costed by several rules)
         self._running_waste: tuple[int, float] = (-1, 0.0)
         self._joined_waste: tuple[int, float] = (-1, 0.0)
         self._times: dict[tuple[int, ...], float] = {}
+        self._last_times: dict[tuple[int, ...], float] = {}
 
     def _begin(self, slots: int) -> None:
         """A decision starts: its cost figures are taken afresh where the model changed."""
         self._slots = max(self._slots, slots)
         key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
-        if key != self._line_key:
+        changed = key != self._line_key
+        if changed:
             self._line, self._line_key = None, key
         self._running_waste = self._joined_waste = (-1, 0.0)
-        self._times = {}
+        # the last decision's step times stay at hand for one more (a staged candidate batch
+        # is costed at every boundary while it waits) unless the model changed
+        self._last_times, self._times = ({}, {}) if changed else (self._times, {})
 
     def _time(self, lengths: Sequence[int]) -> float:
-        """``step_time`` within one decision, each batch costed once."""
+        """``step_time``, each batch costed once within a decision (and the one before)."""
         key = tuple(lengths)
         time = self._times.get(key)
         if time is None:
-            time = self._times[key] = self.step_time(key)
+            time = self._last_times.get(key)
+            self._times[key] = time = self.step_time(key) if time is None else time
         return time
 
     def ideal(self, length: float) -> float:
@@ -184,7 +192,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         room, evict the old batch's longest, then the current batch's. Then candidate
         requests stalled beyond ``STALL_STEPS`` steps go first, strictly in the order they
         stalled (nothing else joins until they do). Otherwise, with ``HEADROOM_STEPS`` of
-        growth kept free (``with_headroom``; none by default):
+        growth kept free (``with_headroom``; less as the candidate batch waits,
+        ``headroom_kept``):
 
         - a candidate request joins when it does not raise the running batch's ``waste``
           per token (a refill that raises predicted throughput for its work);
@@ -195,39 +204,64 @@ class AlignedPolicy(AlignedStrictPolicy):
           seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
         """
         self._begin(view.max_batch_size)
-        current = [s for s in view.running if s.batch_id == view.current_batch_id]
-        old = [s for s in view.running if s.batch_id != view.current_batch_id]
-        if (self.is_starving(view, view.candidate_requests)
-                or self.is_starving(view, view.candidate_batch)):
+        batch_wait = oldest_wait(view.candidate_batch) if view.candidate_batch else None
+        if self.is_starving(view, view.candidate_requests) or (
+                batch_wait is not None and self._past_threshold(view, batch_wait)):
             return super().plan_boundary(view)
-        evict = plan_evictions(view, lambda: [*sorted(old, key=lambda s: -s.length),
-                                              *sorted(current, key=lambda s: -s.length)])
-        if evict:
-            return BoundaryPlan(evict=evict)
+        # NOTE: one pass over the running seqs for the growth that admissions reserve; the
+        # next step's own growth is at most that, so only a larger one can call for evictions.
+        reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+        if reserve > view.free_blocks:
+            evict = plan_evictions(view, lambda: self._victims(view))
+            if evict:
+                return BoundaryPlan(evict=evict)
         running = [s.length for s in view.running]
         stalled = self._stalled(view, running)
         if stalled:
-            return plan_admissions(view, stalled, [], is_strict=True)
-        view = with_headroom(view)
+            return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
+        view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
+        current = ([s for s in view.running if s.batch_id == view.current_batch_id]
+                   if view.candidate_requests else [])  # only refills look at it
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
             return plan_admissions(view, requests, batch, is_strict=False,
-                                   accepts=self._lowers_waste)
+                                   accepts=self._lowers_waste, reserve=reserve,
+                                   lengths=running)
         plan = plan_admissions(view, requests, [], is_strict=False,
-                               accepts=self._lowers_waste)
+                               accepts=self._lowers_waste, reserve=reserve, lengths=running)
         if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
             return plan
         return self._switch_to(view, batch, unswitched=plan)
+
+    @staticmethod
+    def _victims(view: BoundaryView) -> list[SeqView]:
+        """Eviction order: the old batch's seqs, then the current batch's, longest first."""
+        return sorted(view.running, key=lambda s: (s.batch_id == view.current_batch_id,
+                                                   -s.length))
 
     def _stalled(self, view: BoundaryView, running: Sequence[int]) -> list[SeqView]:
         """Candidate requests (evicted seqs, mostly) without a token for longer than
         ``STALL_STEPS`` predicted steps of the running batch, longest stalled first."""
         if not view.candidate_requests:
             return []
-        bound = STALL_STEPS * self._time(running) if running else 0.0
+        bound = self._stall_bound(running, STALL_STEPS)
         stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
         return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
+
+    def headroom_kept(self, now: float, running: Sequence[int],
+                      batch_wait: float | None) -> float:
+        """The share of the headroom kept at ``now``: 1 with no candidate batch
+        (``batch_wait`` None, else its oldest seq's ``wait_start``), less as that seq waits,
+        0 after ``HEADROOM_STEPS`` predicted steps of ``running``."""
+        if batch_wait is None or not running or not HEADROOM_STEPS:
+            return 1.0
+        bound = self._stall_bound(running, HEADROOM_STEPS)
+        return max(0.0, 1.0 - (now - batch_wait) / bound) if bound > 0 else 0.0
+
+    def _stall_bound(self, running: Sequence[int], steps: int) -> float:
+        """Seconds of ``steps`` predicted steps of the running batch (0 with none)."""
+        return steps * self._time(running) if running else 0.0
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
@@ -265,15 +299,17 @@ class AlignedPolicy(AlignedStrictPolicy):
         return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
 
 
-def with_headroom(view: BoundaryView) -> BoundaryView:
+def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:
     """``view`` with the running seqs' growth over ``HEADROOM_STEPS`` steps (at most
-    ``HEADROOM_SHARE`` of the instance's blocks) taken out of its free blocks: what
-    admissions may fill without an eviction soon after."""
-    if not view.running or not HEADROOM_STEPS:
+    ``HEADROOM_SHARE`` of the instance's blocks), times ``kept``, taken out of its free
+    blocks: what admissions may fill without an eviction soon after."""
+    if not view.running or not HEADROOM_STEPS or kept <= 0:
         return view
-    held = sum(s.num_blocks for s in view.running)
     growth = ceil_div(len(view.running) * HEADROOM_STEPS, view.block_size)
-    reserve = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    if growth > int(HEADROOM_SHARE * view.free_blocks):  # the cap may bind: count the held
+        held = sum(s.num_blocks for s in view.running)
+        growth = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    reserve = int(kept * growth)
     return dataclasses.replace(view, free_blocks=max(0, view.free_blocks - reserve))
 
 

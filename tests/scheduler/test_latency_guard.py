@@ -107,3 +107,24 @@ def test_headroom_is_at_most_a_share_of_a_small_instance(
                                      ).free_blocks == 30  # nothing running: nothing to grow
     monkeypatch.setattr(throughput, "HEADROOM_STEPS", 0)
     assert throughput.with_headroom(view) is view  # the default: no headroom
+
+
+@pytest.mark.parametrize("waited_steps,admitted", [(0, False), (15, False), (17, True),
+                                                   (throughput.HEADROOM_STEPS + 1, True)])
+def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
+                                                           admitted: bool) -> None:
+    # 16 shorts hold 112 blocks and need none for two steps; the staged seq needs 63 of the
+    # 80 free. The full headroom holds back 1/8 of the 192 blocks (24), leaving 56: it waits.
+    # The headroom kept falls linearly to none after HEADROOM_STEPS predicted steps of
+    # waiting (default unit cost: 4096 + 16 x 100 per step), so 63 fit once at most 17 of
+    # the 24 are held back: past 16 of the 64 steps.
+    running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
+    step = 4096 + 16 * SHORT
+    staged = SeqView("b", 1000, 63, 0.0, 2, waiting_since=0.0)
+    view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2,
+                        now=waited_steps * step)
+    assert blocks_to_admit(staged, BLOCK_SIZE, 1) == 63 and growth(running, BLOCK_SIZE, 1) == 0
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None))
+    assert policy.plan_boundary(view).admit_batch == (("b",) if admitted else ())
+    loose = get_policy("aligned-loose", PolicyConfig(starvation_threshold=None))
+    assert loose.plan_boundary(view).admit_batch == ("b",)  # no headroom at all
