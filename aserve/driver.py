@@ -95,6 +95,8 @@ class Actor:
                 await self.act()
             except Exception as exc:  # the actor's boundary: log, fail what it held, go on
                 self.core.fail(self.record_error(exc), self.ctx.clock())
+        # the batcher's copies in flight finish before the engine shuts its copy threads down
+        await asyncio.gather(*self._copies)
 
     async def act(self) -> None:
         """Does what the core asks for next (a forward, then the copies `finish` returns;

@@ -5,9 +5,7 @@ import platform
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+GLIBC = platform.libc_ver()[0] == "glibc"  # elsewhere the allocator is left alone
 
 # Logits and MLP activations of batches growing 1..64 rows, three times over, as decode does.
 PATTERN = """
@@ -32,7 +30,9 @@ def run_pattern(mode: str, **env: str) -> tuple[str, int]:
 def test_tuned_allocator_stops_refaulting_freed_activations():
     tuned, tuned_faults = run_pattern("tune")
     untuned, default_faults = run_pattern("default")
-    assert (tuned, untuned) == ("True", "False")
+    assert (tuned, untuned) == (str(GLIBC), "False")
+    if not GLIBC:
+        return
     # 192 steps of up to 13.6 MB each: glibc's default faults most of it back in every time
     # (about 100k pages here); with fixed thresholds the heap keeps the pages.
     assert default_faults > 20_000
@@ -41,6 +41,6 @@ def test_tuned_allocator_stops_refaulting_freed_activations():
 
 def test_users_own_allocator_choice_is_left_alone():
     assert run_pattern("tune", MALLOC_MMAP_THRESHOLD_="65536")[0] == "False"
-    assert run_pattern("tune", LD_PRELOAD="")[0] == "True"
+    assert run_pattern("tune", LD_PRELOAD="")[0] == str(GLIBC)
     assert run_pattern("tune", ASERVE_MALLOC_TUNING="0")[0] == "False"
 
