@@ -154,14 +154,15 @@ class Wiring:
         call(self.batcher.core)
         self.batcher.wake()
 
-    def connect(self, drive: Callable[[Core, str | None], Driver], policy: Policy,
-                kv: BlockLedger, life: Lifecycle, sched: Any, prefill_devices: Sequence_[str],
+    def connect(self, drive: Callable[[Core, str | None], Driver], ctx: Any,
                 decode_devices: Sequence_[str]) -> list[Driver]:
-        """Builds the cores of `policy` (one colocated instance per decode device if it
-        uses no pool; else prefill instances, the batcher and decode instances), with `sched`
-        (the engine's SchedulerConfig), each in its driver `drive(core, device)` (no device
-        for the batcher); starts them (each decode instance asks for its first batch) and
-        returns the drivers."""
+        """Builds the cores of `ctx.policy` (one colocated instance per decode device if it
+        uses no pool; else prefill instances, the batcher and decode instances), over the
+        context's `kv` and `life`, with its `config`'s SchedulerConfig and prefill devices
+        (the engine's EngineConfig, or the simulator's cluster), each in its driver
+        `drive(core, device)` (no device for the batcher); starts them (each decode instance
+        asks for its first batch) and returns the drivers."""
+        policy, kv, life, sched = ctx.policy, ctx.kv, ctx.life, ctx.config.scheduler
         batch = sched.max_batch_size
         if not policy.uses_pool:
             self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
@@ -170,7 +171,7 @@ class Wiring:
             return self.drivers
         num_blocks = kv.allocators["decode0"].num_blocks
         self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens), dev)
-                         for i, dev in enumerate(prefill_devices)]
+                         for i, dev in enumerate(ctx.config.prefill_devices)]
         self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
                                          sched.batch_kv_fraction, batch), None)
         self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch), dev)
@@ -497,7 +498,8 @@ class Lifecycle:
         for seq in seqs:
             self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
 
-    def fork(self, seq: Sequence, at: float) -> tuple[list[Move], list[Sequence]]:
+    def fork(self, seq: Sequence, at: float,
+             resubmit: Callable[[Sequence], None]) -> list[Move]:
         """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
         blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
         recomputes to draw its own first token, and a copy of the prompt logprobs. Call
@@ -505,8 +507,9 @@ class Lifecycle:
         is appended (that may free `seq`'s blocks); the driver copies the returned moves
         before its instance allocates again, then hands each landed fork to its core.
 
-        Returns (the forks' KV moves, each fork in `seq`'s status; the samples the store had
-        no room for, to be prefilled on their own). A store raising ends that sample alone.
+        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
+        no room for go to `resubmit`, last first, to be prefilled on their own. A store
+        raising ends that sample alone.
         """
         moves: list[Move] = []
         unforked: list[Sequence] = []
@@ -521,7 +524,9 @@ class Lifecycle:
             child.prompt_logprobs[:] = seq.prompt_logprobs
             moves.append(move)
         seq.forks = []
-        return moves, unforked
+        for child in reversed(unforked):
+            resubmit(child)
+        return moves
 
     def fail_move(self, move: Move, error: str, *, at: float) -> None:
         """A KV copy failed: its destination is freed and the seq alone ends with an error."""
@@ -624,10 +629,7 @@ class PrefillCore(Core):
             # NOTE: forks are reserved before the first token may finish `seq` and free its
             # blocks; the driver copies them in this order, so a later fork's destination
             # never overwrites an earlier fork's source before it is read
-            moves, unforked = self.life.fork(seq, now)
-            forks.extend(moves)
-            for child in reversed(unforked):
-                self.submit(child, front=True)
+            forks += self.life.fork(seq, now, partial(self.submit, front=True))
             self.life.append_token(seq, token_id, logprob, now)
             if not seq.is_finished:
                 self.blocked.append(seq)
@@ -662,7 +664,6 @@ class PrefillCore(Core):
         if move.src_ids is not None:
             self.blocked.append(seq)
             return
-        seq.status = SeqStatus.POOLED
         self.life.event(seq.seq_id, "pooled", now)
         self.wiring.pooled(seq)
 
@@ -747,8 +748,9 @@ class BatcherCore(Core):
         self.orders = []
 
     def add(self, seq: Sequence) -> None:
-        """`seq`'s KV landed in the host pool: index it."""
+        """`seq`'s KV landed in the host pool: it is pooled, indexed by the policy."""
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
+        seq.status = SeqStatus.POOLED
         self.seqs[seq.seq_id] = seq
         self.policy.add(seq_view(seq, self.kv.blocks_for(seq.num_computed_tokens)))
         self.pool_changed()
@@ -1008,7 +1010,6 @@ class DecodeCore(Core):
         seq.num_returns += 1
         if seq.location == "host":  # a candidate request that was never staged
             self.cand_requests.remove(seq)
-            seq.status = SeqStatus.POOLED
             self.wiring.pooled(seq)
             return None
         move = self.life.reserve(seq, "host", at=now)
@@ -1053,7 +1054,6 @@ class DecodeCore(Core):
             seq.status = SeqStatus.STAGED
             self.cand_requests.append(seq)
         else:
-            seq.status = SeqStatus.POOLED
             self.wiring.pooled(seq)
 
     def failed(self, move: Move, error: str, now: float) -> None:
@@ -1145,10 +1145,9 @@ class ColocatedCore(Core):
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
-        for seq in list(self.waiting):
-            if seq.seq_id in self.life.finish_requests:
-                self.waiting.remove(seq)
-                self.life.reap([seq], now)
+        if any(seq.seq_id in self.life.finish_requests for seq in self.waiting):
+            self.waiting = SortedKeyList(self.life.reap(list(self.waiting), now),
+                                         key=_arrival_order)
 
     def _view(self, seq: Sequence) -> ContinuousSeq:
         num_blocks = len(self.kv.table(seq)) if seq.location else 0
@@ -1214,10 +1213,7 @@ class ColocatedCore(Core):
                 self.life.event(seq.seq_id, "prefill_end", now)
                 # NOTE: before the token may free `seq`'s blocks; copied in order (see
                 # PrefillCore.finish)
-                moves, unforked = self.life.fork(seq, now)
-                forks.extend(moves)
-                for child in unforked:
-                    self.submit(child)
+                forks += self.life.fork(seq, now, self.submit)
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)

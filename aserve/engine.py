@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from aserve.core import (
     StepOutput,
 )
 from aserve.cores import Lifecycle
-from aserve.driver import Actor, EngineContext, KVSpace, build_actors
+from aserve.driver import Actor, EngineContext, KVSpace
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.host import tune_host_allocator
 from aserve.runner import ModelRunner
@@ -112,7 +113,7 @@ class Engine:
                 resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations, probed)
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish
-        build_actors(self.ctx)
+        self.ctx.wiring.connect(partial(Actor, self.ctx), self.ctx, cfg.decode_devices)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         for task in self._tasks:
             task.add_done_callback(self._on_actor_exit)
