@@ -198,9 +198,9 @@ class Wiring:
         """`seq`'s KV landed in the host pool: the batcher indexes it."""
         self._to_batcher(lambda core: core.add(seq))
 
-    def want_batch(self, instance: int) -> None:
-        """Decode instance `instance`'s candidate batch buffer is empty."""
-        self._to_batcher(lambda core: core.want(instance))
+    def want_batch(self) -> None:
+        """A decode instance's candidate batch buffer is empty (its `wants_batch`)."""
+        self._to_batcher(lambda core: None)
 
     def report_window(self, instance: int, window: Window) -> None:
         """Decode instance `instance`'s running length window changed."""
@@ -705,7 +705,6 @@ class BatcherCore(Core):
         self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
         self.max_batch_size = max_batch_size
         self.seqs: dict[str, Sequence] = {}
-        self.wanting: set[int] = set()
         self.in_flight: set[int] = set()  # instances whose next batch is being staged
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
@@ -769,27 +768,24 @@ class BatcherCore(Core):
             self.life.reap(ended, now)
             self.wiring.pool_space()
 
-    def want(self, instance: int) -> None:
-        """An instance's candidate batch buffer is empty. NOTE: while its batch is being
-        staged this changes nothing; a second batch would overwrite the first."""
-        if instance not in self.in_flight:
-            self.wanting.add(instance)
-
     def report_window(self, instance: int, window: Window) -> None:
         self.windows[instance] = window
         self.pending.add(instance)
 
     def next_order(self, now: float) -> Order | None:
         """A batch for the first waiting instance the pool can serve, else matching
-        requests for the first window that asks; None when there is nothing to do."""
-        for instance in sorted(self.wanting):
+        requests for the first window that asks; None when there is nothing to do. An
+        instance waits while it `wants_batch` and none is being staged for it (a second
+        batch would overwrite the first)."""
+        wanting = [i for i, decode in enumerate(self.wiring.decodes)
+                   if decode.core.wants_batch and i not in self.in_flight]
+        for instance in wanting:
             if not self.seqs:
                 break
             ids = self.policy.next_batch(self.batch_blocks, self.max_batch_size, now)
             if not ids:  # only requests above the share: give one the whole cache
                 ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
             if ids:
-                self.wanting.discard(instance)
                 self.in_flight.add(instance)
                 self.num_batches += 1
                 return self._take(instance, self.num_batches, ids)
@@ -855,10 +851,8 @@ class BatcherCore(Core):
         if order.moved:
             self.wiring.pool_space()
         if order.batch_id >= 0:
+            # with none left (aborted or failed while staged) it still `wants_batch`
             self.in_flight.discard(order.instance)
-            if not live:  # none left (aborted or failed while staged): it still wants one
-                self.wanting.add(order.instance)
-                return
         if live:
             self.wiring.deliver(order.instance, order.batch_id, live)
 
@@ -885,7 +879,7 @@ class DecodeCore(Core):
         self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
         self.cand_batch: list[Sequence] = []
         self.cand_batch_id = self.current_batch_id = -1
-        self.want_sent = False
+        self.wants_batch = False
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
@@ -903,7 +897,7 @@ class DecodeCore(Core):
             return
         assert not self.cand_batch, f"{self.name} got a batch while holding one"
         self.cand_batch, self.cand_batch_id = seqs, batch_id
-        self.want_sent = False
+        self.wants_batch = False
 
     def reap(self, now: float) -> None:
         """Ends the candidate seqs an abort asked to end (the running ones end at the next
@@ -914,9 +908,9 @@ class DecodeCore(Core):
             self.ask_for_batch()
 
     def ask_for_batch(self) -> None:
-        if not self.cand_batch and not self.want_sent:
-            self.want_sent = True
-            self.wiring.want_batch(self.index)
+        if not self.cand_batch and not self.wants_batch:
+            self.wants_batch = True
+            self.wiring.want_batch()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """The boundary's moves; once they landed, the admissions' moves; once those landed,
