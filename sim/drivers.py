@@ -129,9 +129,8 @@ class Instance:
             self._decided += spent
             self.ctx.policy_time += spent
             if work is None:
-                if self._is_woken:  # woken while busy
-                    self._is_woken = False
-                    self.wake()
+                if self._is_woken:  # woken while busy: act again once the loop is free
+                    self.loop.soon(self._on_wake)
                 return
             if isinstance(work, Forward):
                 assert self.device is not None, "only instances on a device compute"
