@@ -77,11 +77,11 @@ class Forward:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     start_time: float  # when the core issued it (the driver's clock)
+    lengths: tuple[int, ...] = field(init=False)  # each seq's prefix once the step is done
 
-    @property
-    def lengths(self) -> list[int]:
-        """Prefix length of each seq once the step is done (tokens)."""
-        return [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", tuple(
+            s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)))
 
 
 class Window(NamedTuple):
@@ -412,15 +412,16 @@ class Lifecycle:
     def iteration(self, record: IterationRecord) -> None:
         self.num_dropped_iterations += self._keep(self.iterations, record)
 
-    def record(self, step: Forward, lengths: list[int] | tuple[int, ...], forward_time: float,
-               schedule_time: float, num_prefill_tokens: int = 0, is_mixed: bool = False,
-               prefill_lengths: tuple[int, ...] = ()) -> None:
-        """Records one forward pass; a prefill instance's (`prefill_lengths`) apart."""
+    def record(self, step: Forward, forward_time: float, schedule_time: float,
+               num_prefill_tokens: int = 0, is_mixed: bool = False,
+               packed: bool = False) -> None:
+        """Records one forward pass; a prefill instance's (`packed` prompts) apart."""
+        lengths = step.lengths
         record = IterationRecord(
             step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
             max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
-            prefill_lengths)
-        if prefill_lengths:
+            lengths if packed else ())
+        if packed:
             self._keep(self.prefill_iterations, record)
         else:
             self.iteration(record)
@@ -617,10 +618,9 @@ class PrefillCore(Core):
         """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
         KV copies of the samples forked from these prompts (n > 1), which the driver carries
         out before anything else."""
-        lengths = tuple(step.num_new_tokens)
         self.prefilling = []
-        self.life.record(step, lengths, forward_time, schedule_time, sum(lengths),
-                         prefill_lengths=lengths)
+        self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
+                         packed=True)
         forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
@@ -1094,13 +1094,12 @@ class DecodeCore(Core):
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
-        lengths = step.lengths
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "every decode item samples"
             seq.num_computed_tokens = seq.num_tokens
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.record(step, lengths, forward_time, schedule_time, is_mixed=len(
+        self.life.record(step, forward_time, schedule_time, is_mixed=len(
             {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
         return []
@@ -1193,7 +1192,6 @@ class ColocatedCore(Core):
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
         the driver carries out before the next step."""
-        lengths = step.lengths
         num_prefill = 0
         forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
@@ -1211,7 +1209,7 @@ class ColocatedCore(Core):
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.record(step, lengths, forward_time, schedule_time, num_prefill)
+        self.life.record(step, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 
