@@ -725,10 +725,10 @@ class BatcherCore(Core):
                     self.deliver(order, now)
                     break
             else:
-                order = self.next_order(now)
-                if order is None:
+                new = self.next_order(now)
+                if new is None:
                     return None
-                self.orders.append(order)
+                self.orders.append(new)
 
     def _landing(self, move: Move) -> Order:
         order = next(o for o in self.orders if o.moving is move)

@@ -65,7 +65,7 @@ class SimContext:
         the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
         copies in the device's thread."""
         hw = self.cost.hardware
-        src, dst = self.store_devices.get(move.src), self.store_devices.get(move.dst)
+        src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
             device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
         elif move.dst == "host":
