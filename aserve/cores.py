@@ -77,11 +77,11 @@ class Forward:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     start_time: float  # when the core issued it (the driver's clock)
+    lengths: tuple[int, ...] = field(init=False)  # each seq's prefix once the step is done
 
-    @property
-    def lengths(self) -> list[int]:
-        """Prefix length of each seq once the step is done (tokens)."""
-        return [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", tuple(
+            s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)))
 
 
 class Window(NamedTuple):
@@ -154,14 +154,15 @@ class Wiring:
         call(self.batcher.core)
         self.batcher.wake()
 
-    def connect(self, drive: Callable[[Core, str | None], Driver], policy: Policy,
-                kv: BlockLedger, life: Lifecycle, sched: Any, prefill_devices: Sequence_[str],
+    def connect(self, drive: Callable[[Core, str | None], Driver], ctx: Any,
                 decode_devices: Sequence_[str]) -> list[Driver]:
-        """Builds the cores of `policy` (one colocated instance per decode device if it
-        uses no pool; else prefill instances, the batcher and decode instances), with `sched`
-        (the engine's SchedulerConfig), each in its driver `drive(core, device)` (no device
-        for the batcher); starts them (each decode instance asks for its first batch) and
-        returns the drivers."""
+        """Builds the cores of `ctx.policy` (one colocated instance per decode device if it
+        uses no pool; else prefill instances, the batcher and decode instances), over the
+        context's `kv` and `life`, with its `config`'s SchedulerConfig and prefill devices
+        (the engine's EngineConfig, or the simulator's cluster), each in its driver
+        `drive(core, device)` (no device for the batcher); starts them (each decode instance
+        asks for its first batch) and returns the drivers."""
+        policy, kv, life, sched = ctx.policy, ctx.kv, ctx.life, ctx.config.scheduler
         batch = sched.max_batch_size
         if not policy.uses_pool:
             self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
@@ -170,7 +171,7 @@ class Wiring:
             return self.drivers
         num_blocks = kv.allocators["decode0"].num_blocks
         self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens), dev)
-                         for i, dev in enumerate(prefill_devices)]
+                         for i, dev in enumerate(ctx.config.prefill_devices)]
         self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
                                          sched.batch_kv_fraction, batch), None)
         self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch), dev)
@@ -197,9 +198,9 @@ class Wiring:
         """`seq`'s KV landed in the host pool: the batcher indexes it."""
         self._to_batcher(lambda core: core.add(seq))
 
-    def want_batch(self, instance: int) -> None:
-        """Decode instance `instance`'s candidate batch buffer is empty."""
-        self._to_batcher(lambda core: core.want(instance))
+    def want_batch(self) -> None:
+        """A decode instance's candidate batch buffer is empty (its `wants_batch`)."""
+        self._to_batcher(lambda core: None)
 
     def report_window(self, instance: int, window: Window) -> None:
         """Decode instance `instance`'s running length window changed."""
@@ -411,15 +412,16 @@ class Lifecycle:
     def iteration(self, record: IterationRecord) -> None:
         self.num_dropped_iterations += self._keep(self.iterations, record)
 
-    def record(self, step: Forward, lengths: list[int] | tuple[int, ...], forward_time: float,
-               schedule_time: float, num_prefill_tokens: int = 0, is_mixed: bool = False,
-               prefill_lengths: tuple[int, ...] = ()) -> None:
-        """Records one forward pass; a prefill instance's (`prefill_lengths`) apart."""
+    def record(self, step: Forward, forward_time: float, schedule_time: float,
+               num_prefill_tokens: int = 0, is_mixed: bool = False,
+               packed: bool = False) -> None:
+        """Records one forward pass; a prefill instance's (`packed` prompts) apart."""
+        lengths = step.lengths
         record = IterationRecord(
             step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
             max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
-            prefill_lengths)
-        if prefill_lengths:
+            lengths if packed else ())
+        if packed:
             self._keep(self.prefill_iterations, record)
         else:
             self.iteration(record)
@@ -497,7 +499,8 @@ class Lifecycle:
         for seq in seqs:
             self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
 
-    def fork(self, seq: Sequence, at: float) -> tuple[list[Move], list[Sequence]]:
+    def fork(self, seq: Sequence, at: float,
+             resubmit: Callable[[Sequence], None]) -> list[Move]:
         """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
         blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
         recomputes to draw its own first token, and a copy of the prompt logprobs. Call
@@ -505,8 +508,9 @@ class Lifecycle:
         is appended (that may free `seq`'s blocks); the driver copies the returned moves
         before its instance allocates again, then hands each landed fork to its core.
 
-        Returns (the forks' KV moves, each fork in `seq`'s status; the samples the store had
-        no room for, to be prefilled on their own). A store raising ends that sample alone.
+        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
+        no room for go to `resubmit`, last first, to be prefilled on their own. A store
+        raising ends that sample alone.
         """
         moves: list[Move] = []
         unforked: list[Sequence] = []
@@ -521,7 +525,9 @@ class Lifecycle:
             child.prompt_logprobs[:] = seq.prompt_logprobs
             moves.append(move)
         seq.forks = []
-        return moves, unforked
+        for child in reversed(unforked):
+            resubmit(child)
+        return moves
 
     def fail_move(self, move: Move, error: str, *, at: float) -> None:
         """A KV copy failed: its destination is freed and the seq alone ends with an error."""
@@ -612,10 +618,9 @@ class PrefillCore(Core):
         """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
         KV copies of the samples forked from these prompts (n > 1), which the driver carries
         out before anything else."""
-        lengths = tuple(step.num_new_tokens)
         self.prefilling = []
-        self.life.record(step, lengths, forward_time, schedule_time, sum(lengths),
-                         prefill_lengths=lengths)
+        self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
+                         packed=True)
         forks: list[Move] = []
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "prefill of a whole sequence always samples"
@@ -624,10 +629,7 @@ class PrefillCore(Core):
             # NOTE: forks are reserved before the first token may finish `seq` and free its
             # blocks; the driver copies them in this order, so a later fork's destination
             # never overwrites an earlier fork's source before it is read
-            moves, unforked = self.life.fork(seq, now)
-            forks.extend(moves)
-            for child in reversed(unforked):
-                self.submit(child, front=True)
+            forks += self.life.fork(seq, now, partial(self.submit, front=True))
             self.life.append_token(seq, token_id, logprob, now)
             if not seq.is_finished:
                 self.blocked.append(seq)
@@ -662,7 +664,6 @@ class PrefillCore(Core):
         if move.src_ids is not None:
             self.blocked.append(seq)
             return
-        seq.status = SeqStatus.POOLED
         self.life.event(seq.seq_id, "pooled", now)
         self.wiring.pooled(seq)
 
@@ -704,7 +705,6 @@ class BatcherCore(Core):
         self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
         self.max_batch_size = max_batch_size
         self.seqs: dict[str, Sequence] = {}
-        self.wanting: set[int] = set()
         self.in_flight: set[int] = set()  # instances whose next batch is being staged
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
@@ -725,10 +725,10 @@ class BatcherCore(Core):
                     self.deliver(order, now)
                     break
             else:
-                order = self.next_order(now)
-                if order is None:
+                new = self.next_order(now)
+                if new is None:
                     return None
-                self.orders.append(order)
+                self.orders.append(new)
 
     def _landing(self, move: Move) -> Order:
         order = next(o for o in self.orders if o.moving is move)
@@ -747,8 +747,9 @@ class BatcherCore(Core):
         self.orders = []
 
     def add(self, seq: Sequence) -> None:
-        """`seq`'s KV landed in the host pool: index it."""
+        """`seq`'s KV landed in the host pool: it is pooled, indexed by the policy."""
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
+        seq.status = SeqStatus.POOLED
         self.seqs[seq.seq_id] = seq
         self.policy.add(seq_view(seq, self.kv.blocks_for(seq.num_computed_tokens)))
         self.pool_changed()
@@ -767,27 +768,24 @@ class BatcherCore(Core):
             self.life.reap(ended, now)
             self.wiring.pool_space()
 
-    def want(self, instance: int) -> None:
-        """An instance's candidate batch buffer is empty. NOTE: while its batch is being
-        staged this changes nothing; a second batch would overwrite the first."""
-        if instance not in self.in_flight:
-            self.wanting.add(instance)
-
     def report_window(self, instance: int, window: Window) -> None:
         self.windows[instance] = window
         self.pending.add(instance)
 
     def next_order(self, now: float) -> Order | None:
         """A batch for the first waiting instance the pool can serve, else matching
-        requests for the first window that asks; None when there is nothing to do."""
-        for instance in sorted(self.wanting):
+        requests for the first window that asks; None when there is nothing to do. An
+        instance waits while it `wants_batch` and none is being staged for it (a second
+        batch would overwrite the first)."""
+        wanting = [i for i, decode in enumerate(self.wiring.decodes)
+                   if decode.core.wants_batch and i not in self.in_flight]
+        for instance in wanting:
             if not self.seqs:
                 break
             ids = self.policy.next_batch(self.batch_blocks, self.max_batch_size, now)
             if not ids:  # only requests above the share: give one the whole cache
                 ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
             if ids:
-                self.wanting.discard(instance)
                 self.in_flight.add(instance)
                 self.num_batches += 1
                 return self._take(instance, self.num_batches, ids)
@@ -853,10 +851,8 @@ class BatcherCore(Core):
         if order.moved:
             self.wiring.pool_space()
         if order.batch_id >= 0:
+            # with none left (aborted or failed while staged) it still `wants_batch`
             self.in_flight.discard(order.instance)
-            if not live:  # none left (aborted or failed while staged): it still wants one
-                self.wanting.add(order.instance)
-                return
         if live:
             self.wiring.deliver(order.instance, order.batch_id, live)
 
@@ -883,7 +879,7 @@ class DecodeCore(Core):
         self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
         self.cand_batch: list[Sequence] = []
         self.cand_batch_id = self.current_batch_id = -1
-        self.want_sent = False
+        self.wants_batch = False
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
@@ -901,7 +897,7 @@ class DecodeCore(Core):
             return
         assert not self.cand_batch, f"{self.name} got a batch while holding one"
         self.cand_batch, self.cand_batch_id = seqs, batch_id
-        self.want_sent = False
+        self.wants_batch = False
 
     def reap(self, now: float) -> None:
         """Ends the candidate seqs an abort asked to end (the running ones end at the next
@@ -912,9 +908,9 @@ class DecodeCore(Core):
             self.ask_for_batch()
 
     def ask_for_batch(self) -> None:
-        if not self.cand_batch and not self.want_sent:
-            self.want_sent = True
-            self.wiring.want_batch(self.index)
+        if not self.cand_batch and not self.wants_batch:
+            self.wants_batch = True
+            self.wiring.want_batch()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """The boundary's moves; once they landed, the admissions' moves; once those landed,
@@ -1008,7 +1004,6 @@ class DecodeCore(Core):
         seq.num_returns += 1
         if seq.location == "host":  # a candidate request that was never staged
             self.cand_requests.remove(seq)
-            seq.status = SeqStatus.POOLED
             self.wiring.pooled(seq)
             return None
         move = self.life.reserve(seq, "host", at=now)
@@ -1053,7 +1048,6 @@ class DecodeCore(Core):
             seq.status = SeqStatus.STAGED
             self.cand_requests.append(seq)
         else:
-            seq.status = SeqStatus.POOLED
             self.wiring.pooled(seq)
 
     def failed(self, move: Move, error: str, now: float) -> None:
@@ -1100,13 +1094,12 @@ class DecodeCore(Core):
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
-        lengths = step.lengths
         for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
             assert token_id is not None, "every decode item samples"
             seq.num_computed_tokens = seq.num_tokens
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.record(step, lengths, forward_time, schedule_time, is_mixed=len(
+        self.life.record(step, forward_time, schedule_time, is_mixed=len(
             {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
         return []
@@ -1145,10 +1138,9 @@ class ColocatedCore(Core):
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
-        for seq in list(self.waiting):
-            if seq.seq_id in self.life.finish_requests:
-                self.waiting.remove(seq)
-                self.life.reap([seq], now)
+        if any(seq.seq_id in self.life.finish_requests for seq in self.waiting):
+            self.waiting = SortedKeyList(self.life.reap(list(self.waiting), now),
+                                         key=_arrival_order)
 
     def _view(self, seq: Sequence) -> ContinuousSeq:
         num_blocks = len(self.kv.table(seq)) if seq.location else 0
@@ -1200,7 +1192,6 @@ class ColocatedCore(Core):
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
         the driver carries out before the next step."""
-        lengths = step.lengths
         num_prefill = 0
         forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
@@ -1214,14 +1205,11 @@ class ColocatedCore(Core):
                 self.life.event(seq.seq_id, "prefill_end", now)
                 # NOTE: before the token may free `seq`'s blocks; copied in order (see
                 # PrefillCore.finish)
-                moves, unforked = self.life.fork(seq, now)
-                forks.extend(moves)
-                for child in unforked:
-                    self.submit(child)
+                forks += self.life.fork(seq, now, self.submit)
                 seq.status = SeqStatus.DECODING
             if not seq.is_finished:
                 self.life.append_token(seq, token_id, logprob, now)
-        self.life.record(step, lengths, forward_time, schedule_time, num_prefill)
+        self.life.record(step, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 

@@ -23,7 +23,6 @@ import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -149,14 +148,6 @@ class Actor:
             self.core.failed(move, self.record_error(exc), self.ctx.clock())
             return
         self.core.landed(move, self.ctx.clock())
-
-
-def build_actors(ctx: EngineContext) -> list[Actor]:
-    """The actors of `ctx`'s policy, wired to one another; returns them all. NOTE: the
-    batcher's orders overlap, as the simulator's do."""
-    cfg = ctx.config
-    return ctx.wiring.connect(partial(Actor, ctx), ctx.policy, ctx.kv,  # type: ignore[arg-type,return-value]
-                              ctx.life, cfg.scheduler, cfg.prefill_devices, cfg.decode_devices)
 
 
 class KVSpace(BlockLedger):

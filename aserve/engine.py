@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from aserve.core import (
     StepOutput,
 )
 from aserve.cores import Lifecycle
-from aserve.driver import Actor, EngineContext, KVSpace, build_actors
+from aserve.driver import Actor, EngineContext, KVSpace
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.host import tune_host_allocator
 from aserve.runner import ModelRunner
@@ -101,18 +102,19 @@ class Engine:
         # cost-model runner), else sim/cost.py's fitted to a start-up probe of the decode
         # device, then to this engine's iteration records
         decode_runner = runners[cfg.decode_devices[0]]
-        policy.step_time = getattr(decode_runner, "step_time", None)
-        if policy.step_time is None:
+        step_time = getattr(decode_runner, "step_time", None)
+        if step_time is None:
             probed = await decode_runner.call(
                 probe, decode_runner, kv["decode0"].tensor, cfg.cache.num_decode_blocks,
                 cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size
             ) if policy.uses_step_cost else []
-            policy.step_time = EngineStepCost(
+            step_time = EngineStepCost(
                 model_config, cfg.model.attention, cfg.decode_devices[0],
                 resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations, probed)
+        policy.step_time = step_time
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish
-        build_actors(self.ctx)
+        self.ctx.wiring.connect(partial(Actor, self.ctx), self.ctx, cfg.decode_devices)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         for task in self._tasks:
             task.add_done_callback(self._on_actor_exit)

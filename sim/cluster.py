@@ -46,7 +46,7 @@ class ClusterConfig(CacheConfig, frozen=True, kw_only=True):
         unknown = set(kwargs) - set(self.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown cluster option(s): {', '.join(sorted(unknown))}")
-        scheduler = msgspec.structs.replace(kwargs.pop("scheduler", self.scheduler), **knobs)  # type: ignore[arg-type]
+        scheduler = msgspec.structs.replace(kwargs.pop("scheduler", self.scheduler), **knobs)  # type: ignore[arg-type,type-var]
         return msgspec.structs.replace(self, scheduler=scheduler, **kwargs)
 
     @property

@@ -35,11 +35,13 @@ class SimContext:
     kv: BlockLedger = field(init=False)
     life: Lifecycle = field(init=False)
     store_devices: dict[str, str] = field(init=False)  # KV store -> its device
+    decode_devices: tuple[str, ...] = field(init=False)  # colocated ones without a pool
 
     def __post_init__(self) -> None:
         cfg = self.config
-        decode_devices = cfg.decode_devices if self.policy.uses_pool else cfg.colocated_devices
-        stores = kv_stores(cfg.prefill_devices, decode_devices, cfg)
+        self.decode_devices = (cfg.decode_devices if self.policy.uses_pool
+                               else cfg.colocated_devices)
+        stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg)
         self.store_devices = {name: dev for name, (dev, _) in stores.items()}
         sizes = {name: n for name, (_, n) in stores.items()} | {"host": cfg.num_host_blocks}
         self.kv = BlockLedger({name: BlockAllocator(n, cfg.block_size, name)
@@ -55,9 +57,7 @@ class SimContext:
              for s, n, p in zip(step.seqs, step.num_new_tokens, prefill) if p])
 
     def device(self, name: str) -> Device:
-        if name not in self.devices:
-            self.devices[name] = Device(name)
-        return self.devices[name]
+        return self.devices.setdefault(name, Device(name))
 
     def link_for(self, move: Move) -> Link:
         """Host moves use the device's PCIe link, one per direction; device moves the device
@@ -65,7 +65,7 @@ class SimContext:
         the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
         copies in the device's thread."""
         hw = self.cost.hardware
-        src, dst = self.store_devices.get(move.src), self.store_devices.get(move.dst)
+        src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
             device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
         elif move.dst == "host":
@@ -129,9 +129,8 @@ class Instance:
             self._decided += spent
             self.ctx.policy_time += spent
             if work is None:
-                if self._is_woken:  # woken while busy
-                    self._is_woken = False
-                    self.wake()
+                if self._is_woken:  # woken while busy: act again once the loop is free
+                    self.loop.soon(self._on_wake)
                 return
             if isinstance(work, Forward):
                 assert self.device is not None, "only instances on a device compute"
@@ -168,11 +167,3 @@ class Instance:
                                  duration, self._decided)
         self._decided = 0.0
         self._copy(forks)
-
-
-def build_instances(ctx: SimContext) -> list[Instance]:
-    """The simulated instances of `ctx`'s policy, wired to one another; returns them all."""
-    cfg = ctx.config
-    decode_devices = cfg.decode_devices if ctx.policy.uses_pool else cfg.colocated_devices
-    return ctx.wiring.connect(partial(Instance, ctx), ctx.policy, ctx.kv,  # type: ignore[arg-type,return-value]
-                              ctx.life, cfg.scheduler, cfg.prefill_devices, decode_devices)

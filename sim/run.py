@@ -17,7 +17,7 @@ from bench.workloads import Workload
 from scheduler import get_policy, tree_range
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
-from sim.drivers import SimContext, build_instances
+from sim.drivers import Instance, SimContext
 
 MIN_TREE_RANGE = 2048  # quad-tree range floor: OPT's position table (tokens)
 
@@ -65,7 +65,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     for req in workload.requests:
         ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
                           f"request {req.request_id!r}")
-    build_instances(ctx)
+    ctx.wiring.connect(partial(Instance, ctx), ctx, ctx.decode_devices)
     for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
