@@ -24,7 +24,7 @@ from scheduler.batching import (
     plan_admissions,
     plan_evictions,
 )
-from scheduler.cost import mixing_pays
+from scheduler.cost import GrowingStep, growing_step, mixing_pays
 from scheduler.dfs import density_first_search
 from scheduler.policy import PolicyConfig, register_policy
 from scheduler.quadtree import QuadNode
@@ -63,11 +63,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         # model, its version (``num_fits``: a driver may refit it) and the slots
         self._line: tuple[float, float] | None = None
         self._line_key: tuple[object, ...] = ()
-        # per decision: the running seqs' waste as admissions grow them (size, waste), the
-        # last candidate's (the running seqs' next, if it is admitted), and the step times
-        # asked so far and in the last decision (the same lengths are costed by several rules)
-        self._running_waste: tuple[int, float] = (-1, 0.0)
-        self._joined_waste: tuple[int, float] = (-1, 0.0)
+        # per decision: the refilled batch's step as admissions grow it (``_lowers_waste``),
+        # and the step times asked so far and in the last decision (the same lengths are
+        # costed by several rules)
+        self._refill: Refill | None = None
         self._times: dict[tuple[int, ...], float] = {}
         self._last_times: dict[tuple[int, ...], float] = {}
 
@@ -78,7 +77,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         changed = key != self._line_key
         if changed:
             self._line, self._line_key = None, key
-        self._running_waste = self._joined_waste = (-1, 0.0)
+        self._refill = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
         # is costed at every boundary while it waits) unless the model changed
         self._last_times, self._times = ({}, {}) if changed else (self._times, {})
@@ -264,19 +263,27 @@ class AlignedPolicy(AlignedStrictPolicy):
         return steps * self._time(running) if running else 0.0
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
-        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
-        ``lengths`` only grows within one decision (admitted seqs join it, one at a time),
-        so its waste is computed once per size, and after an admission it is the waste
-        last computed with the candidate."""
+        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token.
+
+        NOTE: decision time (benchmarks/RESULTS.md §12). The admission loop asks this of
+        each candidate in turn with one list, ``lengths``, that only grows (admitted seqs
+        are appended), so the batch is costed as a ``growing_step``: with the model's
+        incremental form a candidate costs O(1), not a pass over ~250 running seqs."""
         if not lengths:
             return True
-        size, waste = self._running_waste
-        if size != len(lengths):
-            size, waste = (self._joined_waste if self._joined_waste[0] == len(lengths)
-                           else (len(lengths), self.waste(lengths)))
-            self._running_waste = (size, waste)
-        joined = self.waste([*lengths, seq.length])
-        self._joined_waste = (size + 1, joined)
+        refill = self._refill
+        if refill is None or refill.lengths is not lengths:
+            self._refill = refill = Refill(
+                lengths, growing_step(self.step_time, lengths, self._time), len(lengths),
+                sum(lengths))
+        for length in lengths[refill.size:]:  # admitted since the last question
+            refill.step.add(length)
+            refill.size += 1
+            refill.total += length
+        size, total = refill.size, refill.total
+        waste = refill.step.time() / size - self.ideal(total / size)
+        joined = (refill.step.time_with(seq.length) / (size + 1)
+                  - self.ideal((total + seq.length) / (size + 1)))
         return not self._less_waste(waste, joined)
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
@@ -297,6 +304,17 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not plan.admit_batch:
             return unswitched
         return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+@dataclasses.dataclass(slots=True)
+class Refill:
+    """The batch an admission loop refills: its lengths list (the loop's own, appended to
+    as seqs are admitted), its step, and the count and sum of the lengths in the step."""
+
+    lengths: list[int]
+    step: GrowingStep
+    size: int
+    total: int
 
 
 def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:
