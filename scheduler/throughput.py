@@ -123,7 +123,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         return waste < than - WASTE_TOLERANCE * self.ideal(1) * self._slots
 
     def _lengths(self, ids: Sequence[str]) -> list[int]:
-        return [self.tree.get(i).length for i in ids]
+        return self.tree.lengths(ids)
 
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
