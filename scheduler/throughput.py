@@ -273,18 +273,23 @@ class AlignedPolicy(AlignedStrictPolicy):
             return True
         refill = self._refill
         if refill is None or refill.lengths is not lengths:
-            self._refill = refill = Refill(
-                lengths, growing_step(self.step_time, lengths, self._time), len(lengths),
-                sum(lengths))
-        for length in lengths[refill.size:]:  # admitted since the last question
-            refill.step.add(length)
-            refill.size += 1
-            refill.total += length
+            step = growing_step(self.step_time, lengths, self._time)
+            size, total = len(lengths), sum(lengths)
+            self._refill = refill = Refill(lengths, step, size, total,
+                                           self._step_waste(step, size, total))
+        elif refill.size != len(lengths):  # seqs were admitted since the last question
+            for length in lengths[refill.size:]:
+                refill.step.add(length)
+            refill.size, refill.total = len(lengths), sum(lengths)
+            refill.waste = self._step_waste(refill.step, refill.size, refill.total)
         size, total = refill.size, refill.total
-        waste = refill.step.time() / size - self.ideal(total / size)
         joined = (refill.step.time_with(seq.length) / (size + 1)
                   - self.ideal((total + seq.length) / (size + 1)))
-        return not self._less_waste(waste, joined)
+        return not self._less_waste(refill.waste, joined)
+
+    def _step_waste(self, step: GrowingStep, size: int, total: int) -> float:
+        """``waste`` of the ``size`` lengths summing to ``total`` that ``step`` holds."""
+        return step.time() / size - self.ideal(total / size)
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
                    unswitched: BoundaryPlan) -> BoundaryPlan:
@@ -309,12 +314,13 @@ class AlignedPolicy(AlignedStrictPolicy):
 @dataclasses.dataclass(slots=True)
 class Refill:
     """The batch an admission loop refills: its lengths list (the loop's own, appended to
-    as seqs are admitted), its step, and the count and sum of the lengths in the step."""
+    as seqs are admitted), its step, and the count, sum and waste of the lengths in it."""
 
     lengths: list[int]
     step: GrowingStep
     size: int
     total: int
+    waste: float  # ``waste`` of the lengths in the step
 
 
 def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:
