@@ -67,6 +67,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         # and the step times asked so far and in the last decision (the same lengths are
         # costed by several rules)
         self._refill: Refill | None = None
+        self._running_step: tuple[list[int], GrowingStep] | None = None  # (lengths, step)
         self._times: dict[tuple[int, ...], float] = {}
         self._last_times: dict[tuple[int, ...], float] = {}
 
@@ -78,6 +79,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         if changed:
             self._line, self._line_key = None, key
         self._refill = None
+        self._running_step = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
         # is costed at every boundary while it waits) unless the model changed
         self._last_times, self._times = ({}, {}) if changed else (self._times, {})
@@ -215,6 +217,11 @@ class AlignedPolicy(AlignedStrictPolicy):
             if evict:
                 return BoundaryPlan(evict=evict)
         running = [s.length for s in view.running]
+        if running and view.candidate_requests:  # a refill may follow: its step, costed
+            # once for the stall bound and the refill's first question alike
+            step = growing_step(self.step_time, running, self._time)
+            self._times.setdefault(tuple(running), step.time())
+            self._running_step = (running, step)
         stalled = self._stalled(view, running)
         if stalled:
             return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
@@ -273,7 +280,10 @@ class AlignedPolicy(AlignedStrictPolicy):
             return True
         refill = self._refill
         if refill is None or refill.lengths is not lengths:
-            step = growing_step(self.step_time, lengths, self._time)
+            running = self._running_step
+            self._running_step = None  # the refill grows it: it serves one refill only
+            step = (running[1] if running is not None and running[0] == lengths
+                    else growing_step(self.step_time, lengths, self._time))
             size, total = len(lengths), sum(lengths)
             self._refill = refill = Refill(lengths, step, size, total,
                                            self._step_waste(step, size, total))
