@@ -27,7 +27,7 @@ from aserve.core import IterationRecord
 from aserve.runner import ModelRunner, WorkItem
 from models.opt import OPTConfig
 from sim.calibrate import ATTENTION_KERNELS, fit, record_lengths
-from sim.cost import CostModel, ModelGeometry
+from sim.cost import CostModel, GrowingDecodeStep, ModelGeometry
 from sim.hardware import HARDWARE, get_hardware
 
 FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
@@ -71,6 +71,13 @@ class EngineStepCost:
         if len(self.records) >= self.next_fit:
             self.refit()
         return self.model.iteration_time(lengths)
+
+    def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
+        """The step over ``lengths`` grown one seq at a time (scheduler/cost.py
+        ``growing_step``), on the model ``__call__`` would use."""
+        if len(self.records) >= self.next_fit:
+            self.refit()
+        return self.model.decode_step(lengths)
 
     def refit(self) -> None:
         """Fits the constants to the decode records so far (pure decode steps only)."""

@@ -12,6 +12,7 @@ numbers, so any unit works as long as one function gives them all.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 StepTime = Callable[[Sequence[int]], float]  # KV lengths of one decode step -> seconds
 
@@ -23,6 +24,53 @@ def unit_step_time(lengths: Sequence[int]) -> float:
     weights (worth ``UNIT_WEIGHTS_TOKENS`` KV tokens) and every KV token once. Under it a
     larger batch always pays, as it does on a memory-bound device without imbalance."""
     return float(UNIT_WEIGHTS_TOKENS + sum(lengths))
+
+
+class GrowingStep(Protocol):
+    """A decode step's predicted time as its batch grows one seq at a time."""
+
+    def time(self) -> float:
+        """The step over the batch as it stands."""
+        ...
+
+    def time_with(self, length: int) -> float:
+        """The step were a seq of ``length`` tokens to join (nothing changes)."""
+        ...
+
+    def add(self, length: int) -> None:
+        """A seq of ``length`` tokens joins (at the end of the batch)."""
+        ...
+
+
+class RecomputedStep:
+    """``GrowingStep`` for any step-time function: each question costs the whole batch."""
+
+    def __init__(self, step_time: StepTime, lengths: Sequence[int]) -> None:
+        self.step_time, self.lengths = step_time, list(lengths)
+
+    def time(self) -> float:
+        return self.step_time(self.lengths)
+
+    def time_with(self, length: int) -> float:
+        return self.step_time([*self.lengths, length])
+
+    def add(self, length: int) -> None:
+        self.lengths.append(length)
+
+
+def growing_step(step_time: StepTime, lengths: Sequence[int],
+                 recompute: StepTime | None = None) -> GrowingStep:
+    """The step over ``lengths`` as a batch that grows one seq at a time: the model's own
+    incremental form where it offers one (a ``decode_step(lengths)`` method on
+    ``step_time``, or on the object whose bound method it is, as sim/cost.py's
+    ``CostModel.iteration_time``), which must give the very numbers ``step_time`` gives;
+    otherwise ``RecomputedStep`` through ``recompute`` (default: ``step_time``)."""
+    decode_step = getattr(step_time, "decode_step", None)
+    if decode_step is None:
+        decode_step = getattr(getattr(step_time, "__self__", None), "decode_step", None)
+    if decode_step is not None:
+        return decode_step(lengths)
+    return RecomputedStep(step_time if recompute is None else recompute, lengths)
 
 
 def tokens_per_second(step_time: StepTime, lengths: Sequence[int]) -> float:

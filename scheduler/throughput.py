@@ -24,7 +24,7 @@ from scheduler.batching import (
     plan_admissions,
     plan_evictions,
 )
-from scheduler.cost import mixing_pays
+from scheduler.cost import GrowingStep, growing_step, mixing_pays
 from scheduler.dfs import density_first_search
 from scheduler.policy import PolicyConfig, register_policy
 from scheduler.quadtree import QuadNode
@@ -63,11 +63,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         # model, its version (``num_fits``: a driver may refit it) and the slots
         self._line: tuple[float, float] | None = None
         self._line_key: tuple[object, ...] = ()
-        # per decision: the running seqs' waste as admissions grow them (size, waste), the
-        # last candidate's (the running seqs' next, if it is admitted), and the step times
-        # asked so far and in the last decision (the same lengths are costed by several rules)
-        self._running_waste: tuple[int, float] = (-1, 0.0)
-        self._joined_waste: tuple[int, float] = (-1, 0.0)
+        # per decision: the refilled batch's step as admissions grow it (``_lowers_waste``),
+        # and the step times asked so far and in the last decision (the same lengths are
+        # costed by several rules)
+        self._refill: Refill | None = None
+        self._running_step: tuple[list[int], GrowingStep] | None = None  # (lengths, step)
         self._times: dict[tuple[int, ...], float] = {}
         self._last_times: dict[tuple[int, ...], float] = {}
 
@@ -78,7 +78,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         changed = key != self._line_key
         if changed:
             self._line, self._line_key = None, key
-        self._running_waste = self._joined_waste = (-1, 0.0)
+        self._refill = None
+        self._running_step = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
         # is costed at every boundary while it waits) unless the model changed
         self._last_times, self._times = ({}, {}) if changed else (self._times, {})
@@ -124,7 +125,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         return waste < than - WASTE_TOLERANCE * self.ideal(1) * self._slots
 
     def _lengths(self, ids: Sequence[str]) -> list[int]:
-        return [self.tree.get(i).length for i in ids]
+        return self.tree.lengths(ids)
 
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
@@ -216,6 +217,11 @@ class AlignedPolicy(AlignedStrictPolicy):
             if evict:
                 return BoundaryPlan(evict=evict)
         running = [s.length for s in view.running]
+        if running and view.candidate_requests:  # a refill may follow: its step, costed
+            # once for the stall bound and the refill's first question alike
+            step = growing_step(self.step_time, running, self._time)
+            self._times.setdefault(tuple(running), step.time())
+            self._running_step = (running, step)
         stalled = self._stalled(view, running)
         if stalled:
             return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
@@ -264,20 +270,36 @@ class AlignedPolicy(AlignedStrictPolicy):
         return steps * self._time(running) if running else 0.0
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
-        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token. NOTE:
-        ``lengths`` only grows within one decision (admitted seqs join it, one at a time),
-        so its waste is computed once per size, and after an admission it is the waste
-        last computed with the candidate."""
+        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token.
+
+        NOTE: decision time (benchmarks/RESULTS.md §12). The admission loop asks this of
+        each candidate in turn with one list, ``lengths``, that only grows (admitted seqs
+        are appended), so the batch is costed as a ``growing_step``: with the model's
+        incremental form a candidate costs O(1), not a pass over ~250 running seqs."""
         if not lengths:
             return True
-        size, waste = self._running_waste
-        if size != len(lengths):
-            size, waste = (self._joined_waste if self._joined_waste[0] == len(lengths)
-                           else (len(lengths), self.waste(lengths)))
-            self._running_waste = (size, waste)
-        joined = self.waste([*lengths, seq.length])
-        self._joined_waste = (size + 1, joined)
-        return not self._less_waste(waste, joined)
+        refill = self._refill
+        if refill is None or refill.lengths is not lengths:
+            running = self._running_step
+            self._running_step = None  # the refill grows it: it serves one refill only
+            step = (running[1] if running is not None and running[0] == lengths
+                    else growing_step(self.step_time, lengths, self._time))
+            size, total = len(lengths), sum(lengths)
+            self._refill = refill = Refill(lengths, step, size, total,
+                                           self._step_waste(step, size, total))
+        elif refill.size != len(lengths):  # seqs were admitted since the last question
+            for length in lengths[refill.size:]:
+                refill.step.add(length)
+            refill.size, refill.total = len(lengths), sum(lengths)
+            refill.waste = self._step_waste(refill.step, refill.size, refill.total)
+        size, total = refill.size, refill.total
+        joined = (refill.step.time_with(seq.length) / (size + 1)
+                  - self.ideal((total + seq.length) / (size + 1)))
+        return not self._less_waste(refill.waste, joined)
+
+    def _step_waste(self, step: GrowingStep, size: int, total: int) -> float:
+        """``waste`` of the ``size`` lengths summing to ``total`` that ``step`` holds."""
+        return step.time() / size - self.ideal(total / size)
 
     def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
                    unswitched: BoundaryPlan) -> BoundaryPlan:
@@ -297,6 +319,18 @@ class AlignedPolicy(AlignedStrictPolicy):
         if not plan.admit_batch:
             return unswitched
         return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+@dataclasses.dataclass(slots=True)
+class Refill:
+    """The batch an admission loop refills: its lengths list (the loop's own, appended to
+    as seqs are admitted), its step, and the count, sum and waste of the lengths in it."""
+
+    lengths: list[int]
+    step: GrowingStep
+    size: int
+    total: int
+    waste: float  # ``waste`` of the lengths in the step
 
 
 def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:

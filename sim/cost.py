@@ -190,6 +190,11 @@ class CostModel:
         """Seconds for one decode, prefill or mixed iteration (see `features`)."""
         return self.time_of(self.features(decode_lengths, prefill_chunks))
 
+    def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
+        """The decode step over ``lengths`` as a batch that grows one seq at a time (a
+        cost-aware policy tries candidates one by one: scheduler/cost.py ``growing_step``)."""
+        return GrowingDecodeStep(self, lengths)
+
     def prefill_time(self, prompt_lens: Sequence[int]) -> float:
         """Seconds for one packed prefill of whole prompts."""
         return self.iteration_time((), [(0, n) for n in prompt_lens])
@@ -197,6 +202,93 @@ class CostModel:
     def kv_bytes(self, num_blocks: int, block_size: int) -> float:
         """Bytes of `num_blocks` KV blocks (whole blocks move)."""
         return float(num_blocks * block_size * self.kv_bytes_per_token)
+
+
+class GrowingDecodeStep:
+    """``CostModel.iteration_time`` of a decode step whose batch grows one seq at a time:
+    ``time_with(length)`` (the step were ``length`` to join) in O(1) instead of a pass over
+    the batch. It keeps the batch's count, sum and longest, and for the per-seq kernel its
+    complete waves' tokens and the longest seq of its open (last, partial) wave: a seq
+    joins at the end of the issue order, so it changes only the open wave and the new ones.
+
+    The same numbers as ``iteration_time`` over the same lengths, to the last bit: the
+    state is integers, and the time is formed by ``features``' expressions and ``time_of``
+    (tests/sim/test_cost.py). ``per-seq-lpt`` reorders the whole batch, so it recomputes.
+    """
+
+    def __init__(self, model: CostModel, lengths: Sequence[int]) -> None:
+        self._model = model
+        self._heads, self._slots = model.geometry.num_heads, model.hardware.num_sms
+        self._flops_per_seq = model.geometry.dense_flops_per_token
+        self._head_flops = model.geometry.lm_head_flops
+        self.lengths = list(lengths) if model.kernel == "per-seq-lpt" else None
+        self.num_seqs, self.total, self.longest = len(lengths), sum(lengths), max(lengths,
+                                                                                  default=0)
+        self._done = self._open = 0  # per-seq: complete waves' tokens, open wave's longest
+        if model.kernel == "per-seq" and lengths:
+            num_tasks = self.num_seqs * self._heads
+            if num_tasks % self._slots:
+                self._open = max(lengths[num_tasks // self._slots * self._slots // self._heads:])
+            self._done = wave_tokens(lengths, self._heads, self._slots) - self._open
+
+    def time(self) -> float:
+        """Seconds of the step over the batch as it stands."""
+        kernel = self._model.kernel
+        if kernel == "per-seq":
+            return self._time(self.num_seqs, self.total, self._done + self._open, self.longest)
+        if kernel == "per-seq-lpt":
+            return self._model.iteration_time(self.lengths or ())
+        return self._time(self.num_seqs, self.total, 0, self.longest)
+
+    def time_with(self, length: int) -> float:
+        """Seconds of the step were a seq of ``length`` tokens to join (nothing changes)."""
+        if self.lengths is not None:  # per-seq-lpt
+            return self._model.iteration_time([*self.lengths, length])
+        waves = self._waves_with(length) if self._model.kernel == "per-seq" else 0
+        return self._time(self.num_seqs + 1, self.total + length, waves,
+                          max(self.longest, length))
+
+    def add(self, length: int) -> None:
+        """A seq of ``length`` tokens joins the batch (at the end of the issue order)."""
+        if self.lengths is not None:
+            self.lengths.append(length)
+        elif self._model.kernel == "per-seq":
+            waves = self._waves_with(length)
+            num_tasks = self.num_seqs * self._heads
+            end = num_tasks + self._heads
+            if end % self._slots == 0:
+                self._open = 0
+            elif num_tasks % self._slots and (end - 1) // self._slots == num_tasks // self._slots:
+                self._open = max(self._open, length)  # it only widens the open wave
+            else:
+                self._open = length  # the new open wave holds only this seq
+            self._done = waves - self._open
+        self.num_seqs += 1
+        self.total += length
+        self.longest = max(self.longest, length)
+
+    def _waves_with(self, length: int) -> int:
+        """``wave_tokens`` of the batch with a seq of ``length`` tokens at the end."""
+        num_tasks = self.num_seqs * self._heads
+        first, last = num_tasks // self._slots, (num_tasks + self._heads - 1) // self._slots
+        if num_tasks % self._slots:  # it first fills the open wave, then its own
+            return self._done + max(self._open, length) + length * (last - first)
+        return self._done + length * (last - first + 1)
+
+    def _time(self, num_seqs: int, total: int, waves: int, longest: int) -> float:
+        """``time_of(features(lengths))`` from the lengths' count, sum, per-seq wave tokens
+        and longest (the expressions of ``features`` and ``imbalance_bytes``)."""
+        model = self._model
+        if not num_seqs or model.kernel == "split-k":
+            imbalance = 0.0
+        elif model.kernel == "padded":
+            imbalance = float(num_seqs * longest - total) * model.kv_bytes_per_token
+        else:
+            imbalance = float(self._slots * waves - self._heads * total) * model._head_bytes
+        flops = (self._flops_per_seq * num_seqs + self._head_flops * num_seqs
+                 + model._attn_flops * float(total))
+        mem = model.weight_bytes + total * model.kv_bytes_per_token
+        return model.time_of(Features(num_seqs, mem, flops, imbalance))
 
 
 def wave_tokens(lengths: Sequence[int], heads: int, slots: int) -> int:

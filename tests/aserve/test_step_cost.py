@@ -8,6 +8,7 @@ import pytest
 
 from aserve import Engine
 from aserve.step_cost import PROBE_BATCH, EngineStepCost
+from scheduler.cost import RecomputedStep, growing_step
 from tests.conftest import make_config
 
 
@@ -19,6 +20,10 @@ async def test_aligned_decides_with_a_model_fitted_to_a_startup_probe(attention:
         assert isinstance(step_time, EngineStepCost)
         assert step_time.kernel == kernel and step_time.num_fits == 1
         assert step_time([100] * PROBE_BATCH) > 0
+        # the refill loop's incremental form: the very numbers of the fitted model
+        grown = growing_step(step_time, [100] * PROBE_BATCH)
+        assert not isinstance(grown, RecomputedStep)
+        assert grown.time_with(700) == step_time([100] * PROBE_BATCH + [700])
         assert not any(engine.ctx.kv.blocks_used().values())  # type: ignore[union-attr]
 
 
