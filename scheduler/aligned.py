@@ -61,9 +61,13 @@ class AlignedStrictPolicy(Policy):
     def starving_request(self, now: float) -> str | None:
         """The oldest pooled request if it has waited longer than the threshold at ``now``."""
         threshold = self.config.starvation_threshold
-        if threshold is None or now - self.tree.oldest_arrival <= threshold:
+        if threshold is None or self.starvation_clock(now) - self.tree.oldest_arrival <= threshold:
             return None
         return self.tree.oldest_request_id()
+
+    def starvation_clock(self, now: float) -> float:
+        """The time starvation is measured at, at ``now``: ``now`` (see ``aligned``'s)."""
+        return now
 
     def is_starving(self, view: BoundaryView, seqs: Sequence[SeqView]) -> bool:
         """Whether one of `seqs` has waited longer than the threshold at the boundary."""
@@ -84,7 +88,7 @@ class AlignedStrictPolicy(Policy):
         """Whether more than the starvation threshold has passed since ``since`` at the
         boundary (never without a threshold)."""
         threshold = self.config.starvation_threshold
-        return threshold is not None and view.now - since > threshold
+        return threshold is not None and self.starvation_clock(view.now) - since > threshold
 
     def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
         """DFS, except that a starving request is served first, with the subtree around it.

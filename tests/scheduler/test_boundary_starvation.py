@@ -38,3 +38,37 @@ def test_starving_evicted_request_goes_before_closer_candidate_requests() -> Non
         candidate_batch=(), current_batch_id=1, now=10.0)
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(view)
     assert plan.admit_requests[0] == "evicted-long"
+
+
+def pooled(policy_name: str, arrivals: dict[str, float]):  # type: ignore[no-untyped-def]
+    policy = get_policy(policy_name, PolicyConfig(starvation_threshold=5.0))
+    for seq_id, at in arrivals.items():
+        policy.add(SeqView(seq_id, 100, 7, arrival_time=at))
+    return policy
+
+
+def test_aligned_backlog_that_arrived_at_once_does_not_starve() -> None:
+    """Offline: nothing arrived after the pooled requests, so none is overtaken by a later
+    arrival however long it waits; the cost model orders the backlog (it drains)."""
+    policy = pooled("aligned", {"a": 0.0, "b": 0.0, "c": 0.0})
+    assert policy.starving_request(now=100.0) is None
+    offline = BoundaryView(
+        running=(SeqView("r0", 40, 3, arrival_time=0.0, batch_id=1),), free_blocks=6,
+        block_size=16, max_batch_size=8,
+        candidate_requests=(SeqView("m0", 41, 3, arrival_time=0.0),),
+        candidate_batch=(SeqView("long", 60, 4, arrival_time=0.0, batch_id=2),),
+        current_batch_id=1, now=100.0)
+    assert not policy.is_starving(offline, offline.candidate_batch)
+
+
+def test_aligned_request_overtaken_by_later_arrivals_starves() -> None:
+    policy = pooled("aligned", {"old": 0.0, "new": 4.0})
+    assert policy.starving_request(now=100.0) is None  # "new" came within the threshold
+    policy.add(SeqView("newer", 100, 7, arrival_time=6.0))
+    assert policy.starving_request(now=100.0) == "old"
+    assert policy.starving_request(now=4.5) is None  # the clock never runs ahead of now
+
+
+def test_fixed_rules_count_starvation_from_now() -> None:
+    for name in ("aligned-strict", "aligned-loose"):
+        assert pooled(name, {"a": 0.0, "b": 0.0}).starving_request(now=100.0) == "a"
