@@ -156,15 +156,32 @@ static void *helper(void *arg) {
     return NULL;
 }
 
-/* out[0:k] = LayerNorm(x[0:k]): mean and variance accumulated in double (two passes), then
-   (x * rstd - mean * rstd) * weight + bias in float, as torch's CPU kernel orders it. */
+/* out[0:k] = LayerNorm(x[0:k]): mean, then variance, each summed in 8 float lanes (the
+   lanes added pairwise), then (x * rstd - mean * rstd) * weight + bias, as torch's CPU kernel
+   orders it. */
+static inline float lanes(f32x8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* The sum of x[0:k] (mean NAN) or of its squared deviations from `mean`. */
+static float lane_sum(const float *x, int64_t k, float mean) {
+    const int squares = mean == mean;
+    f32x8 acc = {0};
+    float tail = 0.0f;
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+        const f32x8 d = ld(x + c) - (squares ? mean : 0.0f);
+        acc += squares ? d * d : d;
+    }
+    for (; c < k; c++) tail += squares ? (x[c] - mean) * (x[c] - mean) : x[c];
+    return lanes(acc) + tail;
+}
+
 static void layer_norm_row(const float *x, int64_t k, const float *weight, const float *bias,
                            float eps, float *out) {
-    double sum = 0, squares = 0;
-    for (int64_t c = 0; c < k; c++) sum += x[c];
-    const double mean = sum / k;
-    for (int64_t c = 0; c < k; c++) squares += (x[c] - mean) * (x[c] - mean);
-    const float rstd = (float)(1.0 / sqrt(squares / k + eps)), shift = (float)-mean * rstd;
+    const float mean = lane_sum(x, k, NAN) / (float)k;
+    const float var = lane_sum(x, k, mean) / (float)k;
+    const float rstd = 1.0f / sqrtf(var + eps), shift = -mean * rstd;
     for (int64_t c = 0; c < k; c++) {
         float v = x[c] * rstd + shift;
         out[c] = weight ? v * weight[c] + (bias ? bias[c] : 0.0f) : v;
