@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from models import cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
+from models.cpu_kernels import advise_huge_pages
 from models.loader import build_preset
 from models.opt import OPTForCausalLM, fit_matmuls_to, has_half_matmul
 
@@ -66,7 +67,15 @@ def paged_inputs(lens: list[int], num_layers: int, num_heads: int, head_dim: int
         tables.append(ids[start:start + count])
         start += count
     shape = (sum(counts) + 1, num_layers, 2, BLOCK_SIZE, num_heads, head_dim)
-    return torch.randn(shape, dtype=dtype), tables
+    return on_huge_pages(torch.randn(shape, dtype=dtype)), tables
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in fresh memory advised for huge pages, as the engine's KV cache (the
+    runner advises it before its blocks are written) and packed weights are."""
+    out = torch.empty_like(t)
+    advise_huge_pages(out)
+    return out.copy_(t)
 
 
 def test_decode_attention_uniform_vs_skewed() -> None:
@@ -101,15 +110,19 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 class Floor:
     """Samples this machine's roofline: the FLOP/s of a big square matmul in `dtype` and the
-    bytes/s read + written by a 256 MB tensor copy, one timed run of each per `sample`, so
+    bytes/s read + written by a 256 MB tensor copy (on huge pages where Linux has them, like
+    the engine's KV cache and packed weights), one timed run of each per `sample`, so
     that every timed step gets a floor measured right beside it (the machine is shared).
     Each rate comes per wall second and per CPU second (all threads): on a loaded machine
     the wall rates count time spent waiting for a core, the CPU rates do not."""
 
     def __init__(self, dtype: torch.dtype, n: int = 2048) -> None:
-        self.a, self.b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        self.src = torch.ones(64 << 20, dtype=torch.float32)
-        self.dst = torch.empty_like(self.src)
+        # NOTE: on huge pages like the step's KV cache and weights, so that the floor gets
+        # the same help from the TLB as the step it bounds
+        self.a = on_huge_pages(torch.randn(n, n, dtype=dtype))
+        self.b = on_huge_pages(torch.randn(n, n, dtype=dtype))
+        self.src = on_huge_pages(torch.ones(64 << 20, dtype=torch.float32))
+        self.dst = on_huge_pages(torch.empty_like(self.src))
         self.sample()  # warm-up
 
     def sample(self) -> tuple[tuple[float, float], tuple[float, float]]:

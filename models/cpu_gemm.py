@@ -21,13 +21,14 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from models import cpu_kernels
 
 PANEL = 16  # output columns per packed panel (two 8-float AVX2 registers)
 
 _SOURCE = r"""
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -155,13 +156,59 @@ static void *helper(void *arg) {
     return NULL;
 }
 
+/* out[0:k] = LayerNorm(x[0:k]): mean, then variance, each summed in 8 float lanes (the
+   lanes added pairwise), then (x * rstd - mean * rstd) * weight + bias, as torch's CPU kernel
+   orders it. */
+static inline float lanes(f32x8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* The sum of x[0:k] (mean NAN) or of its squared deviations from `mean`. */
+static float lane_sum(const float *x, int64_t k, float mean) {
+    const int squares = mean == mean;
+    f32x8 acc = {0};
+    float tail = 0.0f;
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+        const f32x8 d = ld(x + c) - (squares ? mean : 0.0f);
+        acc += squares ? d * d : d;
+    }
+    for (; c < k; c++) tail += squares ? (x[c] - mean) * (x[c] - mean) : x[c];
+    return lanes(acc) + tail;
+}
+
+static void layer_norm_row(const float *x, int64_t k, const float *weight, const float *bias,
+                           float eps, float *out) {
+    const float mean = lane_sum(x, k, NAN) / (float)k;
+    const float var = lane_sum(x, k, mean) / (float)k;
+    const float rstd = 1.0f / sqrtf(var + eps), shift = -mean * rstd;
+    for (int64_t c = 0; c < k; c++) {
+        float v = x[c] * rstd + shift;
+        out[c] = weight ? v * weight[c] + (bias ? bias[c] : 0.0f) : v;
+    }
+}
+
 /* Returns 0, or -1 when out of memory (nothing computed). The caller works too and waits
-   only for work items in progress: helpers that start late find none and exit alone. */
+   only for work items in progress: helpers that start late find none and exit alone.
+   With `norm`, x's rows first go through a LayerNorm (ln_weight, ln_bias may be NULL),
+   computed once by the caller into a scratch block that the work items then read. */
 int gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n, const void *w,
-         int w_bf16, const float *bias, const float *res, float *out, int relu,
-         int num_threads) {
+         int w_bf16, const float *bias, const float *res, float *out, int relu, int norm,
+         const float *ln_weight, const float *ln_bias, float ln_eps, int num_threads) {
+    float *normed = NULL;
+    if (norm) {
+        normed = malloc(sizeof(float) * m * k);
+        if (normed == NULL) return -1;
+        for (int64_t i = 0; i < m; i++)
+            layer_norm_row(x + i * x_stride, k, ln_weight, ln_bias, ln_eps, normed + i * k);
+        x = normed;
+        x_stride = k;
+    }
     Shared *s = malloc(sizeof *s);
-    if (s == NULL) return -1;
+    if (s == NULL) {
+        free(normed);
+        return -1;
+    }
     *s = (Shared){.g = {x, x_stride, m, k, n, w, w_bf16, bias, res, out, relu, 0},
                   .items = (m + MB - 1) / MB * ((n + NR - 1) / NR), .done = 0, .refs = 1};
     pthread_mutex_init(&s->mu, NULL);
@@ -184,6 +231,7 @@ int gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n, cons
         pthread_cond_wait(&s->finished, &s->mu);
     pthread_mutex_unlock(&s->mu);
     release(s);
+    free(normed);  /* every work item is done: no helper reads x any more */
     return 0;
 }
 """
@@ -194,7 +242,8 @@ def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return cpu_kernels.build("gemm", _SOURCE, [ptr, i64, i64, i64, i64, ptr, ctypes.c_int,
-                                               ptr, ptr, ptr, ctypes.c_int, ctypes.c_int])
+                                               ptr, ptr, ptr, ctypes.c_int, ctypes.c_int,
+                                               ptr, ptr, ctypes.c_float, ctypes.c_int])
 
 
 def is_available() -> bool:
@@ -205,23 +254,30 @@ def is_available() -> bool:
 def pack(weight: Tensor) -> Tensor:
     """`[out, in]` weight -> `[ceil(out / 16), in, 16]` panels (columns past `out` are
     zero): the layout `linear` reads. bf16 weights stay bf16 (half the bytes each step
-    streams; widened exactly in the kernel), any other dtype becomes float32."""
+    streams; widened exactly in the kernel), any other dtype becomes float32. The panels
+    sit on transparent huge pages where Linux has them (`cpu_kernels.advise_huge_pages`)."""
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
     w = weight.detach()
     w = w if w.dtype == torch.bfloat16 else w.float()
     padded = F.pad(w, (0, 0, 0, panels * PANEL - out_features))
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    out = torch.empty(panels, in_features, PANEL, dtype=w.dtype)
+    cpu_kernels.advise_huge_pages(out)  # streamed every step: few TLB misses
+    return out.copy_(padded.view(panels, PANEL, in_features).transpose(1, 2))
 
 
 def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = None,
-           relu: bool = False, residual: Tensor | None = None) -> Tensor | None:
+           relu: bool = False, residual: Tensor | None = None,
+           norm: nn.LayerNorm | None = None) -> Tensor | None:
     """`[rows, in]` float32 `x` @ the transpose of a `pack`ed weight + `bias` (float32), then
-    ReLU (`relu`) or `+ residual` (`[rows, out]` float32): `[rows, out]` float32. None when
-    the kernel cannot run (not built, not float32 on the CPU), so that the caller takes its
-    torch path."""
+    ReLU (`relu`) or `+ residual` (`[rows, out]` float32): `[rows, out]` float32. With
+    `norm` (a float32 LayerNorm over `in`), x's rows are normalized first, in the kernel's
+    input pass: no separate torch op (each wakes torch's thread pool) and no tensor for
+    them. None when the kernel cannot run (not built, not float32 on the CPU), so that the
+    caller takes its torch path."""
     lib = _library()
-    tensors = [x] + [t for t in (bias, residual) if t is not None]
+    ln_weight, ln_bias = (None, None) if norm is None else (norm.weight, norm.bias)
+    tensors = [x] + [t for t in (bias, residual, ln_weight, ln_bias) if t is not None]
     if (lib is None or packed.dtype not in (torch.float32, torch.bfloat16)
             or packed.device.type != "cpu"
             or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)):
@@ -231,12 +287,17 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
                          f"{tuple(x.shape)} and {out_features} outputs")
     if x.stride(1) != 1:
         x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    residual = None if residual is None else residual.contiguous()
+    if norm is not None and tuple(norm.normalized_shape) != (x.shape[1],):
+        raise ValueError(f"LayerNorm over {tuple(norm.normalized_shape)} does not fit input "
+                         f"{tuple(x.shape)}")
+    bias, residual, ln_weight, ln_bias = (None if t is None else t.contiguous()
+                                          for t in (bias, residual, ln_weight, ln_bias))
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     status = lib.gemm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out_features,
              packed.data_ptr(), int(packed.dtype == torch.bfloat16),
              None if bias is None else bias.data_ptr(),
              None if residual is None else residual.data_ptr(), out.data_ptr(), int(relu),
-             torch.get_num_threads())
+             int(norm is not None), None if ln_weight is None else ln_weight.data_ptr(),
+             None if ln_bias is None else ln_bias.data_ptr(),
+             0.0 if norm is None else norm.eps, torch.get_num_threads())
     return out if status == 0 else None

@@ -4,11 +4,17 @@ with the system C compiler on first use, cached under $ASERVE_CACHE_DIR (default
 
 Each kernel is optional: `build` returns None without a compiler, when compiling fails, or
 when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
+
+`advise_huge_pages` asks Linux for transparent huge pages under the large buffers those
+kernels stream every decode step (the packed weights, the KV cache): with 4 KiB pages each
+page read costs a TLB miss, a two-level page walk under a hypervisor (benchmarks/RESULTS.md
+§10, issue 17).
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
 import logging
 import os
@@ -16,8 +22,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +78,48 @@ def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.C
     function = getattr(lib, name)
     function.argtypes, function.restype = argtypes, ctypes.c_int
     return lib
+
+
+MADV_HUGEPAGE = 14  # Linux madvise advice (asm-generic/mman-common.h)
+_HUGE_PAGE_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+
+
+@cache
+def _madvise() -> tuple[Any, int] | None:
+    """(libc's madvise, the huge page size in bytes), or None where transparent huge pages
+    are unavailable (not Linux, THP compiled out or `never`) or ASERVE_HUGE_PAGES=0."""
+    if platform.system() != "Linux" or os.environ.get("ASERVE_HUGE_PAGES", "1") == "0":
+        return None
+    try:
+        size = int(_HUGE_PAGE_SIZE.read_text())
+        mode = (_HUGE_PAGE_SIZE.parent / "enabled").read_text()
+    except (OSError, ValueError):
+        return None
+    if "[never]" in mode:
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise, size
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Asks the kernel to back the huge-page-aligned part of CPU tensor `t`'s memory with
+    transparent huge pages (`madvise(MADV_HUGEPAGE)`), so that reading it streams through
+    few TLB entries. Only pages not yet touched are affected: call it on a fresh
+    `torch.empty` before filling it. Returns whether advice was given (False off Linux,
+    without THP, under ASERVE_HUGE_PAGES=0, off the CPU, for a tensor smaller than a huge
+    page, or when madvise refuses); the tensor's contents never change."""
+    found = _madvise()
+    if found is None or t.device.type != "cpu":
+        return False
+    madvise, size = found
+    start = t.data_ptr()
+    end = start + t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    lo, hi = -(-start // size) * size, end // size * size
+    if hi <= lo:
+        return False
+    if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
+        logger.info("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+        return False
+    return True

@@ -168,21 +168,26 @@ class Float32Linear(nn.Module):
     def of(cls, linear: nn.Linear) -> Float32Linear:
         return cls(linear.weight, linear.bias)
 
-    def forward(self, x: Tensor, relu: bool = False, residual: Tensor | None = None
-                ) -> Tensor:
-        """`x @ weight.T + bias`, then ReLU (`relu`) or `+ residual`, in x's dtype. Packed,
-        both run on the float32 output inside the GEMM (no separate pass over it)."""
+    def forward(self, x: Tensor, relu: bool = False, residual: Tensor | None = None,
+                norm: nn.LayerNorm | None = None) -> Tensor:
+        """`norm(x) @ weight.T + bias` (`norm` optional), then ReLU (`relu`) or `+ residual`,
+        in x's dtype. Packed, both run on the float32 output inside the GEMM (no separate
+        pass over it); with the C GEMM a float32 `norm` runs in its input pass too."""
         x32 = x.float()  # [num_tokens, in]
         packed = self._pack() if self.packed is None else self.packed
         fuse_residual = residual is not None and residual.dtype == torch.float32
+        if norm is not None and not (self.kernel == "gemm" and all(
+                p.dtype == torch.float32 for p in norm.parameters())):
+            x32, norm = norm(x32), None  # torch's LayerNorm, then the GEMM alone
         out: Tensor | None = None
         if self.kernel == "gemm":
             out = cpu_gemm.linear(x32, packed, self.weight.shape[0], self.bias, relu,
-                                  residual if fuse_residual else None)
+                                  residual if fuse_residual else None, norm)
             if out is not None:
                 out = out.to(x.dtype)  # [num_tokens, out]
                 return out if residual is None or fuse_residual else out.add_(residual)
             packed = self.weight.detach().float()  # not runnable here: F.linear below
+            x32 = x32 if norm is None else norm(x32)
         elif self.kernel == "onednn" and fuse_residual:
             out = torch.ops.mkldnn._linear_pointwise.binary(x32, residual, packed, self.bias,
                                                             "add")
@@ -197,9 +202,18 @@ class Float32Linear(nn.Module):
         return out if residual is None else out.add_(residual)
 
 
-def linear_relu(layer: nn.Module, x: Tensor) -> Tensor:
-    """`relu(layer(x))`, fused where `layer` is a `Float32Linear`."""
-    return layer(x, relu=True) if isinstance(layer, Float32Linear) else F.relu_(layer(x))
+def linear_relu(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
+    """`relu(layer(norm(x)))` (`norm` optional), fused where `layer` is a `Float32Linear`."""
+    if isinstance(layer, Float32Linear):
+        return layer(x, relu=True, norm=norm)  # type: ignore[no-any-return]
+    return F.relu_(layer(x if norm is None else norm(x)))
+
+
+def linear_norm(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None) -> Tensor:
+    """`layer(norm(x))` (`norm` optional), fused where `layer` is a `Float32Linear`."""
+    if isinstance(layer, Float32Linear):
+        return layer(x, norm=norm)  # type: ignore[no-any-return]
+    return layer(x if norm is None else norm(x))  # type: ignore[no-any-return]
 
 
 def linear_add(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
@@ -242,10 +256,13 @@ class OPTAttention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.enable_bias)
 
     def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
-                backend: AttentionBackend, residual: Tensor) -> Tensor:
-        """Attention of `x` (`[num_tokens, hidden]`) plus `residual`."""
+                backend: AttentionBackend, residual: Tensor,
+                norm: nn.LayerNorm | None = None) -> Tensor:
+        """Attention of `norm(x)` (`x`: `[num_tokens, hidden]`; `norm` optional, fused into
+        the QKV projection where it can be) plus `residual`."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, 3, self.num_heads, self.head_dim)
+        qkv = linear_norm(self.qkv_proj, x, norm).view(num_tokens, 3, self.num_heads,
+                                                       self.head_dim)
         q, k, v = qkv.unbind(1)  # [num_tokens, num_heads, head_dim] each
         out = backend.attend(q, k, v, kv_cache, layer, meta, self.scale)  # [n, heads, dim]
         return linear_add(self.out_proj, out.reshape(num_tokens, -1), residual)  # [n, hidden]
@@ -265,13 +282,16 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
                 backend: AttentionBackend) -> Tensor:
-        h = self.self_attn_layer_norm(x) if self.is_pre_ln else x  # [num_tokens, hidden]
-        h = self.self_attn(h, kv_cache, layer, meta, backend, residual=x)
-        if not self.is_pre_ln:
+        # NOTE: pre-LN hands its LayerNorms to the projections that read them (the C GEMM
+        # normalizes in its input pass); post-LN normalizes the residual stream itself.
+        pre = self.is_pre_ln
+        h = self.self_attn(x, kv_cache, layer, meta, backend, residual=x,
+                           norm=self.self_attn_layer_norm if pre else None)  # [n, hidden]
+        if not pre:
             h = self.self_attn_layer_norm(h)
-        y = self.final_layer_norm(h) if self.is_pre_ln else h
-        y = linear_add(self.fc2, linear_relu(self.fc1, y), h)  # [num_tokens, hidden]
-        return y if self.is_pre_ln else self.final_layer_norm(y)
+        y = linear_relu(self.fc1, h, self.final_layer_norm if pre else None)  # [n, ffn]
+        y = linear_add(self.fc2, y, h)  # [num_tokens, hidden]
+        return y if pre else self.final_layer_norm(y)
 
 
 class OPTDecoder(nn.Module):

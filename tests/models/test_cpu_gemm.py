@@ -111,3 +111,99 @@ def test_bf16_panels_compute_what_their_float32_widening_does() -> None:
     assert out is not None and same is not None and torch.equal(out, same)  # exact widening
     torch.testing.assert_close(out.double(), reference(x, w.float(), b, True, None),
                                rtol=0, atol=2e-5 * 300 ** 0.5)
+
+
+def shifted_layer_norm(width: int, affine: bool, seed: int) -> nn.LayerNorm:
+    """A LayerNorm with random (not unit) weight and bias where `affine`."""
+    norm = nn.LayerNorm(width, elementwise_affine=affine)
+    if affine:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width, generator=g))
+            norm.bias.copy_(torch.randn(width, generator=g))
+    return norm
+
+
+@needs_kernel
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("epilogue", ["relu", "residual"])
+def test_layer_norm_in_the_input_pass_matches_float64(affine: bool, epilogue: str) -> None:
+    g = torch.Generator().manual_seed(11)
+    rows, k, n = 9, 300, 70
+    # rows far from zero mean and unit variance, read through a stride (a view of a wider x)
+    x = (torch.randn(rows, k + 40, generator=g) * 4 + 3)[:, 20:20 + k]
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    residual = torch.randn(rows, n, generator=g) if epilogue == "residual" else None
+    norm = shifted_layer_norm(k, affine, seed=12)
+    with torch.inference_mode():
+        out = cpu_gemm.linear(x, cpu_gemm.pack(w), n, b, epilogue == "relu", residual, norm)
+        expected = reference(norm.double()(x.double()), w, b, epilogue == "relu", residual)
+    assert out is not None
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=5e-5 * k ** 0.5)
+
+
+@needs_kernel
+def test_layer_norm_of_another_width_is_refused() -> None:
+    w = torch.randn(32, 16)
+    with pytest.raises(ValueError, match="LayerNorm"):
+        cpu_gemm.linear(torch.randn(2, 16), cpu_gemm.pack(w), 32, norm=nn.LayerNorm(8))
+
+
+@pytest.mark.parametrize("available", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_float32_linear_with_a_norm_matches_torch_with_and_without_the_kernel(
+        monkeypatch: pytest.MonkeyPatch, available: bool, affine: bool) -> None:
+    if available and not cpu_gemm.is_available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_gemm, "is_available", lambda: available)
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)
+    torch.manual_seed(1)
+    fc, norm = nn.Linear(96, 130), shifted_layer_norm(96, affine, seed=2)
+    layer = Float32Linear.of(fc)
+    x = torch.randn(11, 96) * 2 + 1
+    with torch.inference_mode():
+        want = fc(norm(x))
+        torch.testing.assert_close(layer(x, norm=norm), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x, relu=True, norm=norm), want.relu(), rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(models.opt.linear_norm(fc, x, norm), want)  # nn.Linear
+
+
+def test_huge_page_advice_covers_the_aligned_interior_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int]] = []
+    size = 2 << 20
+    monkeypatch.setattr(cpu_kernels, "_madvise",
+                        lambda: (lambda a, n, advice: calls.append((a, n, advice)) or 0, size))
+    big = torch.empty(3 * size + 12345, dtype=torch.uint8)
+    assert cpu_kernels.advise_huge_pages(big)
+    (start, length, advice), = calls
+    assert advice == cpu_kernels.MADV_HUGEPAGE and start % size == 0 and length % size == 0
+    assert big.data_ptr() <= start and start + length <= big.data_ptr() + big.numel()
+    assert length >= 2 * size
+    assert not cpu_kernels.advise_huge_pages(torch.empty(100))  # under one huge page
+    assert len(calls) == 1
+
+
+def test_huge_page_advice_keeps_contents_and_can_be_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    t = torch.randn(1 << 20)  # 4 MiB
+    before = t.clone()
+    cpu_kernels.advise_huge_pages(t)  # True or False depending on the host: never an error
+    assert torch.equal(t, before)
+    monkeypatch.setenv("ASERVE_HUGE_PAGES", "0")
+    cpu_kernels._madvise.cache_clear()
+    try:
+        assert not cpu_kernels.advise_huge_pages(t)
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._madvise.cache_clear()
+
+
+def test_packed_panels_do_not_depend_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(300, 200)
+    with_advice = cpu_gemm.pack(w)
+    monkeypatch.setattr(cpu_kernels, "advise_huge_pages", lambda t: False)
+    without = cpu_gemm.pack(w)
+    assert torch.equal(with_advice, without)
+    assert torch.equal(with_advice[1, :, 3], w[16 + 3])  # panel 1, column 3 = output row 19
