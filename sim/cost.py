@@ -147,7 +147,6 @@ class CostModel:
             decode_lengths: KV length (tokens, the new one included) of each decode seq.
             prefill_chunks: ``(num_computed, num_new)`` of each prefill (or chunk) seq.
         """
-        g = self.geometry
         num_kv = sum(decode_lengths)
         num_tokens = len(decode_lengths)
         num_attn = float(num_kv)
@@ -156,10 +155,18 @@ class CostModel:
             num_tokens += num_new
             num_attn += num_new * start + num_new * (num_new + 1) / 2
         num_seqs = len(decode_lengths) + len(prefill_chunks)
+        return self._features(num_seqs, num_tokens, num_kv, num_attn,
+                              self.imbalance_bytes(decode_lengths))
+
+    def _features(self, num_seqs: int, num_tokens: int, num_kv: int, num_attn: float,
+                  imbalance: float) -> Features:
+        """`Features` from the iteration's counts: seqs, tokens computed, KV tokens held,
+        query-key pairs, and its imbalance bytes (`features`, `GrowingDecodeStep`)."""
+        g = self.geometry
         flops = (g.dense_flops_per_token * num_tokens + g.lm_head_flops * num_seqs
                  + self._attn_flops * num_attn)
-        mem = self.weight_bytes + num_kv * self.kv_bytes_per_token
-        return Features(num_seqs, mem, flops, self.imbalance_bytes(decode_lengths))
+        return Features(num_seqs, self.weight_bytes + num_kv * self.kv_bytes_per_token,
+                        flops, imbalance)
 
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
         """Attention time lost to imbalance, as extra bytes at the full bandwidth.
@@ -172,11 +179,20 @@ class CostModel:
         if not lengths or self.kernel == "split-k":
             return 0.0
         if self.kernel == "padded":
-            return float(len(lengths) * max(lengths) - sum(lengths)) * self.kv_bytes_per_token
+            return self._imbalance(len(lengths), sum(lengths), max(lengths), 0)
         heads, slots = self.geometry.num_heads, self.hardware.num_sms
         order = sorted(lengths, reverse=True) if self.kernel == "per-seq-lpt" else lengths
-        return float(slots * wave_tokens(order, heads, slots)
-                     - heads * sum(lengths)) * self._head_bytes
+        return self._imbalance(len(lengths), sum(lengths), 0, wave_tokens(order, heads, slots))
+
+    def _imbalance(self, num_seqs: int, total: int, longest: int, waves: int) -> float:
+        """`imbalance_bytes` of `num_seqs` decode seqs of `total` KV tokens, from their
+        `longest` (padded) or their `wave_tokens` (per-seq kernels)."""
+        if not num_seqs or self.kernel == "split-k":
+            return 0.0
+        if self.kernel == "padded":
+            return float(num_seqs * longest - total) * self.kv_bytes_per_token
+        return float(self.hardware.num_sms * waves
+                     - self.geometry.num_heads * total) * self._head_bytes
 
     def time_of(self, f: Features) -> float:
         """Seconds for an iteration with features `f`."""
@@ -212,15 +228,15 @@ class GrowingDecodeStep:
     joins at the end of the issue order, so it changes only the open wave and the new ones.
 
     The same numbers as ``iteration_time`` over the same lengths, to the last bit: the
-    state is integers, and the time is formed by ``features``' expressions and ``time_of``
-    (tests/sim/test_cost.py). ``per-seq-lpt`` reorders the whole batch, so it recomputes.
+    state is integers, and the time goes through the model's own ``_features``,
+    ``_imbalance`` and ``time_of``, as ``iteration_time``'s does
+    (tests/sim/test_growing_step.py). ``per-seq-lpt`` reorders the whole batch, so it
+    recomputes.
     """
 
     def __init__(self, model: CostModel, lengths: Sequence[int]) -> None:
         self._model = model
         self._heads, self._slots = model.geometry.num_heads, model.hardware.num_sms
-        self._flops_per_seq = model.geometry.dense_flops_per_token
-        self._head_flops = model.geometry.lm_head_flops
         self.lengths = list(lengths) if model.kernel == "per-seq-lpt" else None
         self.num_seqs, self.total, self.longest = len(lengths), sum(lengths), max(lengths,
                                                                                   default=0)
@@ -277,19 +293,11 @@ class GrowingDecodeStep:
 
     def _time(self, num_seqs: int, total: int, waves: int, longest: int) -> float:
         """``time_of(features(lengths))`` from the lengths' count, sum, per-seq wave tokens
-        and longest (the expressions of ``features`` and ``imbalance_bytes``)."""
+        and longest (one token computed per seq, each reading its whole KV)."""
         model = self._model
-        if not num_seqs or model.kernel == "split-k":
-            imbalance = 0.0
-        elif model.kernel == "padded":
-            imbalance = float(num_seqs * longest - total) * model.kv_bytes_per_token
-        else:
-            imbalance = float(self._slots * waves - self._heads * total) * model._head_bytes
-        flops = (self._flops_per_seq * num_seqs + self._head_flops * num_seqs
-                 + model._attn_flops * float(total))
-        mem = model.weight_bytes + total * model.kv_bytes_per_token
-        return model.time_of(Features(num_seqs, mem, flops, imbalance))
-
+        imbalance = model._imbalance(num_seqs, total, longest, waves)
+        return model.time_of(model._features(num_seqs, num_seqs, total, float(total),
+                                             imbalance))
 
 def wave_tokens(lengths: Sequence[int], heads: int, slots: int) -> int:
     """The per-seq kernel's wave model: tokens on the critical path of one layer's attention.
