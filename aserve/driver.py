@@ -31,6 +31,7 @@ from aserve.config import EngineConfig
 from aserve.core import Sequence
 from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
+from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
 from transport.copy import CopyEngine
 from transport.kv import KVGeometry, KVStore
@@ -162,6 +163,12 @@ class KVSpace(BlockLedger):
                       config.prefill_devices, config.decode_devices, config.cache).items()]
         stores.append(KVStore.with_capacity_bytes("host", geometry, config.cache.host_pool_bytes,
                                                   torch.device("cpu"), pin_memory=pin))
+        for store in stores:
+            if store.name.startswith(("prefill", "decode")):
+                # NOTE: a step reads most of its cache; its blocks are untouched yet (KVStore
+                # allocates with torch.empty), so they fault in as huge pages on the CPU:
+                # fewer TLB misses per step (benchmarks/RESULTS.md §10, issue 17)
+                advise_huge_pages(store.tensor)
         self.stores: dict[str, KVStore] = {store.name: store for store in stores}
         super().__init__({s.name: s.allocator for s in stores}, geometry.block_size)
         self.copy_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-copy")

@@ -20,7 +20,6 @@ import torch
 from aserve.config import ModelConfig
 from aserve.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
-from models.cpu_kernels import advise_huge_pages
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM, fit_matmuls_to
 from models.sampler import Penalties, SamplingTensors, sample
@@ -107,7 +106,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, block_size, max_blocks)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
         self.fault_hook: Callable[[], None] | None = None
-        self._advised: set[int] = set()  # data_ptr of the KV caches given huge-page advice
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Runs `fn(*args)` in this device's worker thread."""
@@ -123,12 +121,6 @@ class ModelRunner:
         start_time = time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook()
-        if kv_cache.device.type == "cpu" and kv_cache.data_ptr() not in self._advised:
-            # NOTE: a decode step reads most of the cache once; its blocks are still
-            # untouched here (transport allocates it with torch.empty), so they fault in as
-            # huge pages: fewer TLB misses per step (benchmarks/RESULTS.md §10, issue 17).
-            self._advised.add(kv_cache.data_ptr())
-            advise_huge_pages(kv_cache)
         input_ids, positions, meta = self._prepare(items)
         hidden = None if self.graphs is None else self.graphs.forward(
             input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step

@@ -202,18 +202,14 @@ class Float32Linear(nn.Module):
         return out if residual is None else out.add_(residual)
 
 
-def linear_relu(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
-    """`relu(layer(norm(x)))` (`norm` optional), fused where `layer` is a `Float32Linear`."""
+def linear_norm(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None = None,
+                relu: bool = False) -> Tensor:
+    """`layer(norm(x))` (`norm` optional), then ReLU (`relu`), fused where `layer` is a
+    `Float32Linear`."""
     if isinstance(layer, Float32Linear):
-        return layer(x, relu=True, norm=norm)  # type: ignore[no-any-return]
-    return F.relu_(layer(x if norm is None else norm(x)))
-
-
-def linear_norm(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None) -> Tensor:
-    """`layer(norm(x))` (`norm` optional), fused where `layer` is a `Float32Linear`."""
-    if isinstance(layer, Float32Linear):
-        return layer(x, norm=norm)  # type: ignore[no-any-return]
-    return layer(x if norm is None else norm(x))  # type: ignore[no-any-return]
+        return layer(x, relu=relu, norm=norm)  # type: ignore[no-any-return]
+    y = layer(x if norm is None else norm(x))
+    return F.relu_(y) if relu else y  # type: ignore[no-any-return]
 
 
 def linear_add(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
@@ -289,7 +285,7 @@ class OPTDecoderLayer(nn.Module):
                            norm=self.self_attn_layer_norm if pre else None)  # [n, hidden]
         if not pre:
             h = self.self_attn_layer_norm(h)
-        y = linear_relu(self.fc1, h, self.final_layer_norm if pre else None)  # [n, ffn]
+        y = linear_norm(self.fc1, h, self.final_layer_norm if pre else None, relu=True)
         y = linear_add(self.fc2, y, h)  # [num_tokens, hidden]
         return y if pre else self.final_layer_norm(y)
 
