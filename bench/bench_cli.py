@@ -22,13 +22,14 @@ from bench.harness import (
     RunResult,
     Sizing,
     SystemSpec,
+    cpu_times,
     model_config,
     run_engine,
     size_engine,
     workload_prompts,
     write_iteration_log,
 )
-from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
+from bench.metrics import DEFAULT_TPOT_SLO, Summary, median_summary, request_metrics
 from bench.workloads import WORKLOADS, Workload, load_workload
 
 PEERS = ("transformers", "transformers-cb", "vllm")  # static `generate` batches, continuous
@@ -61,12 +62,22 @@ class WorkloadRun:
 
     workload: Workload
     sizing: Sizing
-    results: list[RunResult]
+    results: list[RunResult]  # every run, in the order they ran (repeats included)
     tpot_slo: float = DEFAULT_TPOT_SLO  # goodput's TPOT target (seconds)
 
     @property
+    def systems(self) -> list[str]:
+        return list(dict.fromkeys(r.system for r in self.results))
+
+    def runs(self, system: str) -> list[Summary]:
+        """Each run of `system`, in repeat order."""
+        return [r.summary(self.tpot_slo) for r in sorted(self.results, key=lambda r: r.repeat)
+                if r.system == system]
+
+    @property
     def summaries(self) -> list[Summary]:
-        return [r.summary(self.tpot_slo) for r in self.results]
+        """One row per system: its run, or the median of its repeated runs."""
+        return [median_summary(self.runs(system)) for system in self.systems]
 
 
 def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
@@ -85,14 +96,30 @@ def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
 
 
 def run_workload(workload: Workload, systems: Sequence[str], settings: BenchSettings,
-                 on_finish: Callable[[], None] | None = None) -> WorkloadRun:
-    """Runs each named system on the workload, one after another, same prompts."""
+                 on_finish: Callable[[], None] | None = None, repeats: int = 1) -> WorkloadRun:
+    """Runs each named system on the workload, one after another, same prompts; `repeats`
+    times, the order rotated by one system each time (so every system runs in every
+    position: a slow spell of the machine, or a first-run cost, does not fall on one
+    system), with the machine's CPU steal recorded for each run."""
     arch = model_config(settings.model)
     sizing = size_engine(workload, arch, settings.dtype, settings.batch_requests)
     prompts = workload_prompts(workload, arch.vocab_size, settings.seed)
-    results = [run_system(name, workload, prompts, sizing, settings, on_finish)
-               for name in systems]
+    results = []
+    for repeat in range(repeats):
+        for name in rotated(systems, repeat):
+            steal, total = cpu_times()
+            result = run_system(name, workload, prompts, sizing, settings, on_finish)
+            (steal_after, total_after), result.repeat = cpu_times(), repeat
+            if total_after > total:
+                result.cpu_steal = (steal_after - steal) / (total_after - total)
+            results.append(result)
     return WorkloadRun(workload, sizing, results, settings.tpot_slo)
+
+
+def rotated(items: Sequence[str], by: int) -> list[str]:
+    """`items` starting at position `by` (modulo their count), wrapping around."""
+    by %= max(len(items), 1)
+    return [*items[by:], *items[:by]]
 
 
 def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: Sizing,
@@ -155,11 +182,15 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
               "sizing": {r.workload.name: dataclasses.asdict(r.sizing) for r in runs}}
     rows = [{**report.summary_row(s), "workload": r.workload.name}
             for r in runs for s in r.summaries]
+    each = [{**report.summary_row(result.summary(r.tpot_slo)), "workload": r.workload.name,
+             "repeat": result.repeat, "cpu_steal": report.json_safe(result.cpu_steal)}
+            for r in runs for result in r.results]
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config, "results": rows}, indent=2, default=str,
-                              allow_nan=False) + "\n")
-    tables = "\n".join(f"### {r.workload.name}\n\n" + markdown(r.summaries) for r in runs)
+    doc = {"config": config, "results": rows, "runs": each}
+    out.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
+    tables = "\n".join(f"### {r.workload.name}\n\n" + markdown(r.summaries)
+                       + (f"\n{spread(r)}" if args.repeats > 1 else "") for r in runs)
     out.with_suffix(".md").write_text(tables)
     log_dir = Path(args.iterations) if args.iterations else out.with_suffix(".iterations")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +198,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
         for result in (r for r in run.results if r.iterations):
             header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
                       "system": result.system, "workload": run.workload.name}
-            file = f"{run.workload.name}__{result.system.replace('/', '-')}.jsonl"
+            file = f"{run.workload.name}__{result.system.replace('/', '-')}"
+            file += f"__r{result.repeat}.jsonl" if args.repeats > 1 else ".jsonl"
             write_iteration_log(log_dir / file, header,
                                 [*result.iterations, *result.prefill_iterations])
     if args.plots:
@@ -180,6 +212,24 @@ def markdown(summaries: Sequence[Summary]) -> str:
     systems = [s.system for s in summaries]
     bases: list[str | None] = [b for b in ("fcfs/paged", "continuous/paged") if b in systems]
     return "\n".join(report.markdown_table(summaries, baseline=b) for b in bases or [None])
+
+
+def spread(run: WorkloadRun) -> str:
+    """Repeated runs: each system's decode tok/s and P99 TPOT per run (in repeat order) and
+    their median, with the machine's CPU steal per run."""
+    lines = ["| system | decode tok/s median | per run | TPOT p99 ms median | per run "
+             "| CPU steal % per run |", "|---|---|---|---|---|---|"]
+    for system, median in zip(run.systems, run.summaries):
+        each = run.runs(system)
+        steal = [r.cpu_steal for r in sorted(run.results, key=lambda r: r.repeat)
+                 if r.system == system]
+        lines.append(" | ".join([
+            f"| {system}", report.fmt(median.decode_throughput, 1),
+            ", ".join(report.fmt(s.decode_throughput, 1) for s in each),
+            report.fmt(median.tpot_p99 * report.MS, 1),
+            ", ".join(report.fmt(s.tpot_p99 * report.MS, 1) for s in each),
+            ", ".join(report.fmt(x * 100, 1) for x in steal)]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def machine() -> str:
@@ -262,6 +312,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=d.tpot_slo,
                    help="goodput's per-request TPOT target in seconds (default %(default)s: "
                         "DistServe's chatbot SLO on OPT-13B; CPU runs want a larger one)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every system per workload, the order rotated each time; "
+                        "tables report each figure's median (default %(default)s)")
     p.add_argument("--json", required=True, default=argparse.SUPPRESS,
                    help="results file (.md and .iterations/ beside)")
     p.add_argument("--plots", default=None, help="folder for the PNG figures; None: no plots")
@@ -300,9 +353,13 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"aserve bench: error: {exc}")
         return 2
-    total = sum(w.num_requests for w in workloads) * len(systems)
+    if args.repeats < 1:
+        print(f"aserve bench: error: --repeats ({args.repeats}) must be >= 1")
+        return 2
+    total = sum(w.num_requests for w in workloads) * len(systems) * args.repeats
     with tqdm(total=total, unit="req", desc="aserve bench", mininterval=PROGRESS_S) as bar:
-        runs = [run_workload(w, systems, settings, lambda: bar.update(1)) for w in workloads]
+        runs = [run_workload(w, systems, settings, lambda: bar.update(1), args.repeats)
+                for w in workloads]
     print(write_outputs(runs, args, settings))
     return 0
 

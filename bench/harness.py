@@ -56,6 +56,8 @@ class RunResult:
     token_ids: dict[str, list[int]]  # workload request_id -> generated token ids
     wall_time: float  # seconds from the first submission to the last finish
     prefill_iterations: list[IterationRecord] = dataclasses.field(default_factory=list)
+    repeat: int = 0  # which of the benchmark's repeated runs this was (0: the first)
+    cpu_steal: float = math.nan  # share of the machine's CPU time the hypervisor took meanwhile
 
     def summary(self, tpot_slo: float = DEFAULT_TPOT_SLO) -> Summary:
         return summarize(self.system, self.events, self.iterations, tpot_target=tpot_slo)
@@ -224,6 +226,18 @@ class LoopLagProbe:
     @property
     def p99_lag(self) -> float:
         return percentile(self.lags, 99)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) CPU time of the machine so far, in clock ticks, from Linux's /proc/stat
+    (a virtual machine's "steal": time its hypervisor gave to other guests); (0, 0) where
+    there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0, 0
+    ticks = [int(x) for x in fields]
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
 
 
 def write_iteration_log(path: str | Path, header: Mapping[str, object],

@@ -14,9 +14,10 @@ and simulated runs (sim.run) are summarised by this one module.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from aserve.core import Event, IterationRecord, TransferRecord
 
@@ -203,6 +204,26 @@ def summarize(
         schedule_time_p99=percentile(schedule, 99),
         peak_blocks=peak_blocks(iterations),
     )
+
+
+def median_summary(summaries: Sequence[Summary]) -> Summary:
+    """One row for repeated runs of one system: every float figure is its median over the
+    runs (NaN ones left out; the mean of the middle two for an even count), the rest is the
+    first run's (the system, counts and SLO are the same in every run).
+
+    Raises:
+        ValueError: for no runs, or runs of different systems.
+    """
+    if not summaries or len({s.system for s in summaries}) != 1:
+        raise ValueError(f"median_summary needs runs of one system, got "
+                         f"{[s.system for s in summaries]}")
+    medians = {}
+    for f in fields(Summary):
+        values = [v for s in summaries if isinstance(v := getattr(s, f.name), float)
+                  and not math.isnan(v)]
+        if isinstance(getattr(summaries[0], f.name), float):
+            medians[f.name] = statistics.median(values) if values else math.nan
+    return replace(summaries[0], **medians)
 
 
 def aligned_share(iterations: Sequence[IterationRecord]) -> float:

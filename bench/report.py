@@ -39,7 +39,7 @@ class Caption:
 
 def summary_row(summary: Summary) -> dict[str, JsonValue]:
     """A Summary as a JSON-ready dict; NaN (no data) becomes None."""
-    return {k: _json_safe(v) for k, v in dataclasses.asdict(summary).items()}
+    return {k: json_safe(v) for k, v in dataclasses.asdict(summary).items()}
 
 
 def write_json(
@@ -47,7 +47,7 @@ def write_json(
 ) -> None:
     """Write `{"config": {...}, "results": [row, ...]}`; strict JSON (no NaN)."""
     doc = {
-        "config": {k: _json_safe(v) for k, v in config.items()},
+        "config": {k: json_safe(v) for k, v in config.items()},
         "results": [summary_row(s) for s in summaries],
     }
     Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -73,14 +73,14 @@ def markdown_table(summaries: Sequence[Summary], baseline: str | None = None) ->
         header += [f"decode tok/s vs {base.system}", f"TPOT p99 vs {base.system}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in summaries:
-        cells = [s.system, str(s.num_requests), _fmt(s.decode_throughput, 1),
-                 _fmt(s.request_throughput, 3), _fmt(s.goodput, 3), _fmt(s.goodput_tokens, 1),
-                 _fmt(s.ttft_mean, 3), _fmt(s.ttft_p99, 3), _fmt(s.tpot_mean * MS, 2),
-                 _fmt(s.tpot_p50 * MS, 2), _fmt(s.tpot_p99 * MS, 2),
-                 _fmt(s.iteration_latency_mean * MS, 2), _fmt(s.iteration_latency_p50 * MS, 2),
-                 _fmt(s.iteration_latency_p99 * MS, 2), _fmt(s.e2e_p99, 3),
-                 _fmt(s.mixed_iteration_share * 100, 1),
-                 _fmt(s.aligned_iteration_share * 100, 1)]
+        cells = [s.system, str(s.num_requests), fmt(s.decode_throughput, 1),
+                 fmt(s.request_throughput, 3), fmt(s.goodput, 3), fmt(s.goodput_tokens, 1),
+                 fmt(s.ttft_mean, 3), fmt(s.ttft_p99, 3), fmt(s.tpot_mean * MS, 2),
+                 fmt(s.tpot_p50 * MS, 2), fmt(s.tpot_p99 * MS, 2),
+                 fmt(s.iteration_latency_mean * MS, 2), fmt(s.iteration_latency_p50 * MS, 2),
+                 fmt(s.iteration_latency_p99 * MS, 2), fmt(s.e2e_p99, 3),
+                 fmt(s.mixed_iteration_share * 100, 1),
+                 fmt(s.aligned_iteration_share * 100, 1)]
         if base is not None:
             cells += [_ratio(s.decode_throughput, base.decode_throughput),
                       _ratio(s.tpot_p99, base.tpot_p99)]
@@ -244,7 +244,7 @@ def _find(summaries: Sequence[Summary], system: str, missing_ok: bool = False) -
     raise ValueError(f"baseline ({system!r}) must be one of {[s.system for s in summaries]}")
 
 
-def _fmt(value: float, digits: int) -> str:
+def fmt(value: float, digits: int) -> str:
     return NO_VALUE if math.isnan(value) else f"{value:.{digits}f}"
 
 
@@ -254,13 +254,13 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}×"
 
 
-def _json_safe(value: object) -> JsonValue:
+def json_safe(value: object) -> JsonValue:
     if isinstance(value, float):
         return None if not math.isfinite(value) else value
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return str(value)

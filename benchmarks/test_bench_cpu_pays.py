@@ -35,16 +35,23 @@ BUBBLE_VS_CONTINUOUS = 1.3  # ... and >= 1.3x continuous
 BUBBLE_TPOT_P99 = 1.5  # ... and P99 TPOT >= 1.5x lower than fcfs
 NO_BUBBLE_FLOOR = 0.97  # paged: aligned >= 0.97x the better of fcfs and continuous
 FIG7_POINTS = "0.7,0.8,0.9,0.95"  # benchmarks/RESULTS.md §3
+# The sweep is prefill-bound on a 2-core CPU (prefill and decode share the cores) and one
+# run of a system varies by up to a third (RESULTS §15): each point runs the systems of the
+# target this many times in rotated order and compares medians.
+FIG7_SYSTEMS = ("aligned", "fcfs", "continuous")
+FIG7_REPEATS = int(os.environ.get("ASERVE_PAYS_REPEATS", "3"))
 
 
 def ratios(doc: dict[str, object], workload: str | None = None) -> dict[str, float]:
+    """aligned's decode tok/s over each other system's, and fcfs's P99 TPOT over aligned's,
+    from the result rows (each system's median when the run repeated)."""
     results = doc["results"]
     assert isinstance(results, list)
     by = {r["system"].split("/")[0]: r for r in results
           if workload is None or r["workload"] == workload}
     aligned = by["aligned"]
     out = {f"vs {name}": aligned["decode_throughput"] / by[name]["decode_throughput"]
-           for name in SYSTEMS[1:]}
+           for name in by if name != "aligned"}
     out["fcfs tpot p99 / aligned"] = by["fcfs"]["tpot_p99"] / aligned["tpot_p99"]
     print(workload or "", {k: round(v, 3) for k, v in out.items()})
     return out
@@ -68,13 +75,30 @@ def test_no_bubble_regime_paged(tmp_path: Path) -> None:
 def test_no_bubble_regime_fig7_sweep(tmp_path: Path) -> None:
     doc = run_cli("issue15_fig7_paged", [
         "--workload", "synthetic", "--short-ratio", FIG7_POINTS, "--num-requests", "128",
-        "--offline", "--systems", ",".join(SYSTEMS), "--model", "opt-125m",
-        "--dtype", "bfloat16", "--attention", "paged"], tmp_path)
+        "--offline", "--systems", ",".join(FIG7_SYSTEMS), "--model", "opt-125m",
+        "--dtype", "bfloat16", "--attention", "paged", "--repeats", str(FIG7_REPEATS)],
+        tmp_path)
     results = doc["results"]
     assert isinstance(results, list)
+    missed = []
     for workload in dict.fromkeys(r["workload"] for r in results):
         got = ratios(doc, workload)
-        assert min(got["vs fcfs"], got["vs continuous"]) >= NO_BUBBLE_FLOOR, workload
+        print("  per repeat:", paired_ratios(doc, workload))
+        if min(got["vs fcfs"], got["vs continuous"]) < NO_BUBBLE_FLOOR:
+            missed.append(workload)
+    assert not missed, f"aligned below {NO_BUBBLE_FLOOR}x the better peer at {missed}"
+
+
+def paired_ratios(doc: dict[str, object], workload: str) -> list[float]:
+    """Per repeat: aligned's decode tok/s over the better of fcfs's and continuous's in
+    that repeat (runs next to each other in time)."""
+    runs = doc["runs"]
+    assert isinstance(runs, list)
+    by: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r["workload"] == workload:
+            by.setdefault(r["repeat"], {})[r["system"].split("/")[0]] = r["decode_throughput"]
+    return [round(t["aligned"] / max(t["fcfs"], t["continuous"]), 3) for t in by.values()]
 
 
 # A scaled-down padded run measured idle (24 requests of 64 tokens, decode KV of 90 blocks);

@@ -48,7 +48,9 @@ def test_cli_writes_documented_json_for_two_policies(tmp_path: Path) -> None:
                            "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"config", "results"}
+    assert set(doc) == {"config", "results", "runs"}
+    assert [(r["system"], r["repeat"]) for r in doc["runs"]] == [
+        ("fcfs/paged", 0), ("continuous/paged", 0)]
     assert doc["config"]["model"] == TINY and doc["config"]["num_requests"] == 6
     workload = synthetic(6, 0.5, length_scale=bench_cli.DEFAULT_LENGTH_SCALE, max_len=4096)
     expected_tokens = sum(r.output_len for r in workload.requests)
@@ -64,6 +66,30 @@ def test_cli_writes_documented_json_for_two_policies(tmp_path: Path) -> None:
     assert header == {"model": TINY, "dtype": "float32", "system": "fcfs/paged",
                       "workload": "synthetic-s0.5"}
     assert records and all(r.batch_size >= 1 for r in records)
+
+
+def test_cli_repeats_rotate_the_order_and_report_medians(tmp_path: Path) -> None:
+    out = tmp_path / "rep.json"
+    code = bench_cli.main(["--model", TINY, "--dtype", "float32", "--num-requests", "4",
+                           "--short-ratio", "0.5", "--systems", "fcfs,continuous", "--offline",
+                           "--repeats", "3", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    order = [(r["system"], r["repeat"]) for r in doc["runs"]]
+    assert order == [("fcfs/paged", 0), ("continuous/paged", 0), ("continuous/paged", 1),
+                     ("fcfs/paged", 1), ("fcfs/paged", 2), ("continuous/paged", 2)]
+    for row in doc["results"]:
+        runs = sorted(r["decode_throughput"] for r in doc["runs"] if r["system"] == row["system"])
+        assert row["decode_throughput"] == runs[1]  # the median of three
+        assert all(r["num_output_tokens"] == row["num_output_tokens"]
+                   for r in doc["runs"] if r["system"] == row["system"])
+    steal = [r["cpu_steal"] for r in doc["runs"]]
+    assert all(s is None or 0 <= s <= 1 for s in steal)
+    assert "CPU steal % per run" in out.with_suffix(".md").read_text()
+    logs = sorted(p.name for p in out.with_suffix(".iterations").iterdir())
+    assert logs == [f"synthetic-s0.5__{s}-paged__r{r}.jsonl"
+                    for s in ("continuous", "fcfs") for r in range(3)]
+    assert bench_cli.main(["--repeats", "0", "--json", str(tmp_path / "x.json")]) == 2
 
 
 def test_cli_rejects_unknown_system(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -9,7 +10,13 @@ import numpy as np
 import pytest
 
 from aserve.core import Event, EventKind, IterationRecord
-from bench.metrics import DEFAULT_TPOT_SLO, percentile, request_metrics, summarize
+from bench.metrics import (
+    DEFAULT_TPOT_SLO,
+    median_summary,
+    percentile,
+    request_metrics,
+    summarize,
+)
 
 
 def _log(seq_id: str, *steps: tuple[EventKind, float]) -> list[Event]:
@@ -110,6 +117,21 @@ def test_iteration_shares_and_times() -> None:
     assert s.forward_time_p99 == pytest.approx(0.030 + 0.010 * 0.96)
     assert s.schedule_time_p50 == pytest.approx(0.002)
     assert s.peak_blocks == {"decode": 9, "staging": 2}
+
+
+def test_median_summary_of_repeated_runs_takes_each_figures_median() -> None:
+    run = summarize("sys", _events(), [], tpot_target=math.inf)
+    runs = [dataclasses.replace(run, decode_throughput=t, tpot_p99=p, ttft_p99=ttft)
+            for t, p, ttft in ((5.0, 0.3, math.nan), (9.0, 0.1, 0.4), (6.0, 0.2, 0.2))]
+    median = median_summary(runs)
+    assert (median.decode_throughput, median.tpot_p99) == (6.0, 0.2)
+    assert median.ttft_p99 == pytest.approx(0.3)  # NaN left out: the mean of 0.2 and 0.4
+    assert median.tpot_slo == math.inf and median.num_output_tokens == run.num_output_tokens
+    assert median_summary(runs[:1]) == runs[0]
+    with pytest.raises(ValueError, match="one system"):
+        median_summary([run, dataclasses.replace(run, system="other")])
+    with pytest.raises(ValueError, match="one system"):
+        median_summary([])
 
 
 def test_empty_run_gives_nan_not_errors() -> None:
