@@ -125,6 +125,29 @@ class Core:
         self.life.fail_all(self.running, error, now)
         self.running = []
 
+    def _advance(self, step: Forward, token_ids: list[int | None],
+                 logprobs: list[float | None], now: float,
+                 resubmit: Callable[[Sequence], None]) -> list[Move]:
+        """The one path of a forward's outputs, every core's: each seq's computed prefix
+        grows by its chunk and a seq that sampled gets its token. A prefill that ended
+        forks its waiting samples (n > 1; unforked ones go to `resubmit`) first: the token
+        may finish the seq and free the blocks the forks copy from. Returns the forks'
+        KV moves, which the driver copies in this order, so a later fork's destination
+        never overwrites an earlier fork's source before it is read."""
+        forks: list[Move] = []
+        for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
+                                             logprobs):
+            was_prefill = seq.status == SeqStatus.PREFILLING
+            seq.num_computed_tokens += n
+            if token_id is None:
+                continue  # a prefill chunk that samples nothing yet
+            if was_prefill:
+                self.life.event(seq.seq_id, "prefill_end", now)
+                forks += self.life.fork(seq, now, resubmit)
+            if not seq.is_finished:
+                self.life.append_token(seq, token_id, logprob, now)
+        return forks
+
 
 class Driver(Protocol):
     """What the wiring needs of an instance's driver (an asyncio actor, a simulated
@@ -621,18 +644,8 @@ class PrefillCore(Core):
         self.prefilling = []
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
-        forks: list[Move] = []
-        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
-            assert token_id is not None, "prefill of a whole sequence always samples"
-            seq.num_computed_tokens = seq.num_tokens
-            self.life.event(seq.seq_id, "prefill_end", now)
-            # NOTE: forks are reserved before the first token may finish `seq` and free its
-            # blocks; the driver copies them in this order, so a later fork's destination
-            # never overwrites an earlier fork's source before it is read
-            forks += self.life.fork(seq, now, partial(self.submit, front=True))
-            self.life.append_token(seq, token_id, logprob, now)
-            if not seq.is_finished:
-                self.blocked.append(seq)
+        forks = self._advance(step, token_ids, logprobs, now, partial(self.submit, front=True))
+        self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
         return forks
 
     def fail(self, error: str, now: float) -> None:
@@ -1094,11 +1107,7 @@ class DecodeCore(Core):
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
-        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
-            assert token_id is not None, "every decode item samples"
-            seq.num_computed_tokens = seq.num_tokens
-            if not seq.is_finished:
-                self.life.append_token(seq, token_id, logprob, now)
+        self._advance(step, token_ids, logprobs, now, self.wiring.submit)
         self.life.record(step, forward_time, schedule_time, is_mixed=len(
             {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
@@ -1192,23 +1201,12 @@ class ColocatedCore(Core):
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
         the driver carries out before the next step."""
-        num_prefill = 0
-        forks: list[Move] = []
-        for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
-                                             logprobs):
-            was_prefill = seq.status == SeqStatus.PREFILLING
-            num_prefill += n if was_prefill else 0
-            seq.num_computed_tokens += n
-            if token_id is None:
-                continue  # a prefill chunk that samples nothing yet
-            if was_prefill:
-                self.life.event(seq.seq_id, "prefill_end", now)
-                # NOTE: before the token may free `seq`'s blocks; copied in order (see
-                # PrefillCore.finish)
-                forks += self.life.fork(seq, now, self.submit)
-                seq.status = SeqStatus.DECODING
-            if not seq.is_finished:
-                self.life.append_token(seq, token_id, logprob, now)
+        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
+                          if s.status == SeqStatus.PREFILLING)
+        forks = self._advance(step, token_ids, logprobs, now, self.submit)
+        for seq, token_id in zip(step.seqs, token_ids):
+            if token_id is not None and seq.status == SeqStatus.PREFILLING:
+                seq.status = SeqStatus.DECODING  # its prefill ended
         self.life.record(step, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
