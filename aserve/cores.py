@@ -117,8 +117,9 @@ class Core:
         raise NotImplementedError
 
     def failed(self, move: Move, error: str, now: float) -> None:
-        """A copy failed: that seq alone ends with an error."""
-        self.life.fail_move(move, error, at=now)
+        """A copy failed: its destination is freed and that seq alone ends with an error."""
+        self.life.kv.cancel(move)
+        self.life.fail_all([move.seq], error, now)
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error."""
@@ -325,14 +326,11 @@ class BlockLedger:
         changed) when the store is full. The move's source ids are taken now: the driver
         copies before anything allocates in that store again, even if the parent has
         finished (and freed its blocks) meanwhile."""
-        assert not child.location, f"{child.seq_id} already holds KV in {child.location}"
-        allocator = self.allocators[parent.location]
-        dst_ids = allocator.allocate(child.seq_id, max(num_tokens, 1))
-        if dst_ids is None:
+        if not self.allocate(child, parent.location, max(num_tokens, 1)):
             return None
-        child.location = parent.location
-        src_ids = tuple(allocator.table(parent.seq_id)[: len(dst_ids)])
-        return Move(child, parent.location, parent.location, len(dst_ids), src_ids)
+        num_blocks = len(self.table(child))
+        src_ids = tuple(self.table(parent)[:num_blocks])
+        return Move(child, parent.location, parent.location, num_blocks, src_ids)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of `move`, aligned block for block."""
@@ -540,22 +538,16 @@ class Lifecycle:
         num_cached = seq.num_prompt_tokens - 1
         for child in self.reap(seq.forks, at):
             move = self._guarded(child, partial(self.kv.fork, seq, child, num_cached), at)
-            if move is None:
-                if not child.is_finished:
-                    unforked.append(child)
-                continue
-            child.num_computed_tokens, child.status = num_cached, seq.status
-            child.prompt_logprobs[:] = seq.prompt_logprobs
-            moves.append(move)
+            if move is not None:
+                child.num_computed_tokens, child.status = num_cached, seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
+                moves.append(move)
+            elif not child.is_finished:
+                unforked.append(child)
         seq.forks = []
         for child in reversed(unforked):
             resubmit(child)
         return moves
-
-    def fail_move(self, move: Move, error: str, *, at: float) -> None:
-        """A KV copy failed: its destination is freed and the seq alone ends with an error."""
-        self.kv.cancel(move)
-        self.fail_all([move.seq], error, at)
 
     def _put(self, seq: Sequence, out: StepOutput) -> None:
         queue = self.queues.get(seq.seq_id)
@@ -659,10 +651,7 @@ class PrefillCore(Core):
         pool is full (then `pool_space` wakes the driver)."""
         while self.blocked:
             seq = self.blocked[0]
-            if not self.life.reap([seq], now):
-                self.blocked.popleft()
-                continue
-            move = self.life.reserve(seq, "host", at=now)
+            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
             if move is None and not seq.is_finished:
                 return None
             self.blocked.popleft()
@@ -1004,30 +993,27 @@ class DecodeCore(Core):
         move = self.life.reserve(seq, self.staging, at=now)
         if move is None and not seq.is_finished:
             move = self.life.reserve(seq, "host", at=now)
-        if move is not None or seq.is_finished:
-            return [] if move is None else [move]
-        self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
-        seq.num_computed_tokens = 0
-        self.wiring.submit(seq, front=True)  # prefill it again, first in line
-        return []
+        if move is None and not seq.is_finished:
+            self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
+            seq.num_computed_tokens = 0
+            self.wiring.submit(seq, front=True)  # prefill it again, first in line
+        return [move] if move else []
 
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the
         pool has no room it stays where it is."""
+        never_staged = seq.location == "host"  # a candidate request: no copy
+        move = None if never_staged else self.life.reserve(seq, "host", at=now)
+        if move is None and not never_staged and not seq.is_finished:
+            return None
         seq.num_returns += 1
-        if seq.location == "host":  # a candidate request that was never staged
-            self.cand_requests.remove(seq)
-            self.wiring.pooled(seq)
-            return None
-        move = self.life.reserve(seq, "host", at=now)
-        if move is None and not seq.is_finished:
-            seq.num_returns -= 1
-            return None
         if seq in self.running:
             self.running.remove(seq)
             self.life.event(seq.seq_id, "evicted", now)
         else:
             self.cand_requests.remove(seq)
+        if never_staged:
+            self.wiring.pooled(seq)
         return move
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
@@ -1067,7 +1053,7 @@ class DecodeCore(Core):
         """A boundary copy failed: that seq alone ends with an error."""
         if move.seq in self.running:
             self.running.remove(move.seq)
-        self.life.fail_move(move, error, at=now)
+        super().failed(move, error, now)
 
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
