@@ -885,11 +885,7 @@ class DecodeCore(Core):
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
-        self._then: str | None = None  # moves are out; once landed: "forward" or "boundary"
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.running or self.cand_requests or self.cand_batch)
+        self._forward_next = False  # the boundary is planned: the iteration comes next
 
     def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
         """Staged seqs from the batcher: the next candidate batch, or candidate requests
@@ -924,26 +920,21 @@ class DecodeCore(Core):
                 self.current_batch_id = self.cand_batch_id
             moves = self._admit(plan.admit_requests, self.cand_requests, now)
             moves += self._admit(plan.admit_batch, self.cand_batch, now)
-            if not self.cand_batch:
-                self.ask_for_batch()
+            self.ask_for_batch()
             if moves:
                 return moves
-        if self._then is not None:
-            then, self._then = self._then, None
-            if "host" in self._freed:
-                self.wiring.pool_space()
-            if self.staging in self._freed:
-                self.wiring.staging_space()
-            self._freed.clear()
-            if then == "forward":
-                work = self.forward(now)
-                if isinstance(work, list) and work:  # an eviction: then a new boundary
-                    self._then = "boundary"
-                return work or None
-        if self.is_idle:
-            return None
+        if "host" in self._freed:
+            self.wiring.pool_space()
+        if self.staging in self._freed:
+            self.wiring.staging_space()
+        self._freed.clear()
+        if self._forward_next:
+            self._forward_next = False
+            return self.forward(now) or None  # an eviction's moves: then a new boundary
+        if not (self.running or self.cand_requests or self.cand_batch):
+            return None  # idle
         moves = self.boundary(now)
-        self._then = "forward"
+        self._forward_next = True
         return moves or self.step(now)
 
     # -- the boundary ------------------------------------------------------------------
@@ -952,8 +943,7 @@ class DecodeCore(Core):
         running batch (evictions, returns to the pool), in order. The admissions follow
         from `step`, once these moves have freed their decode blocks."""
         self.running = self.life.reap(self.running, now)
-        self.cand_requests = self.life.reap(self.cand_requests, now)
-        self.cand_batch = self.life.reap(self.cand_batch, now)
+        self.reap(now)
         plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
         by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
         moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
@@ -1103,7 +1093,7 @@ class DecodeCore(Core):
         """The forward pass failed: the running batch ends with an error; the candidate
         buffers survive."""
         super().fail(error, now)
-        self._then, self._admissions = None, None
+        self._forward_next, self._admissions = False, None
 
 
 # -- colocated ------------------------------------------------------------------------
