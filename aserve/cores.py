@@ -611,12 +611,10 @@ class PrefillCore(Core):
             if batch and seq.num_tokens > budget:
                 break
             if not self.kv.allocate(seq, self.name, seq.num_tokens):
-                if batch:
-                    break
-                # admission control makes this a bug
-                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
-                                 "prompt does not fit the prefill KV store", at=now)
-                continue
+                # NOTE: forward runs on an empty store (step offloads the last batch first),
+                # and admission control (BlockLedger.check_fits) sizes every seq to fit it
+                assert batch, f"{seq.seq_id} does not fit the empty {self.name} store"
+                break
             batch.append(self.waiting.popleft())
             budget -= seq.num_tokens
         if not batch:
