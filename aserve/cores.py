@@ -117,13 +117,37 @@ class Core:
         raise NotImplementedError
 
     def failed(self, move: Move, error: str, now: float) -> None:
-        """A copy failed: that seq alone ends with an error."""
-        self.life.fail_move(move, error, at=now)
+        """A copy failed: its destination is freed and that seq alone ends with an error."""
+        self.life.kv.cancel(move)
+        self.life.fail_all([move.seq], error, now)
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error."""
         self.life.fail_all(self.running, error, now)
         self.running = []
+
+    def _advance(self, step: Forward, token_ids: list[int | None],
+                 logprobs: list[float | None], now: float,
+                 resubmit: Callable[[Sequence], None]) -> list[Move]:
+        """The one path of a forward's outputs, every core's: each seq's computed prefix
+        grows by its chunk and a seq that sampled gets its token. A prefill that ended
+        forks its waiting samples (n > 1; unforked ones go to `resubmit`) first: the token
+        may finish the seq and free the blocks the forks copy from. Returns the forks'
+        KV moves, which the driver copies in this order, so a later fork's destination
+        never overwrites an earlier fork's source before it is read."""
+        forks: list[Move] = []
+        for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
+                                             logprobs):
+            was_prefill = seq.status == SeqStatus.PREFILLING
+            seq.num_computed_tokens += n
+            if token_id is None:
+                continue  # a prefill chunk that samples nothing yet
+            if was_prefill:
+                self.life.event(seq.seq_id, "prefill_end", now)
+                forks += self.life.fork(seq, now, resubmit)
+            if not seq.is_finished:
+                self.life.append_token(seq, token_id, logprob, now)
+        return forks
 
 
 class Driver(Protocol):
@@ -302,14 +326,11 @@ class BlockLedger:
         changed) when the store is full. The move's source ids are taken now: the driver
         copies before anything allocates in that store again, even if the parent has
         finished (and freed its blocks) meanwhile."""
-        assert not child.location, f"{child.seq_id} already holds KV in {child.location}"
-        allocator = self.allocators[parent.location]
-        dst_ids = allocator.allocate(child.seq_id, max(num_tokens, 1))
-        if dst_ids is None:
+        if not self.allocate(child, parent.location, max(num_tokens, 1)):
             return None
-        child.location = parent.location
-        src_ids = tuple(allocator.table(parent.seq_id)[: len(dst_ids)])
-        return Move(child, parent.location, parent.location, len(dst_ids), src_ids)
+        num_blocks = len(self.table(child))
+        src_ids = tuple(self.table(parent)[:num_blocks])
+        return Move(child, parent.location, parent.location, num_blocks, src_ids)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of `move`, aligned block for block."""
@@ -517,22 +538,16 @@ class Lifecycle:
         num_cached = seq.num_prompt_tokens - 1
         for child in self.reap(seq.forks, at):
             move = self._guarded(child, partial(self.kv.fork, seq, child, num_cached), at)
-            if move is None:
-                if not child.is_finished:
-                    unforked.append(child)
-                continue
-            child.num_computed_tokens, child.status = num_cached, seq.status
-            child.prompt_logprobs[:] = seq.prompt_logprobs
-            moves.append(move)
+            if move is not None:
+                child.num_computed_tokens, child.status = num_cached, seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
+                moves.append(move)
+            elif not child.is_finished:
+                unforked.append(child)
         seq.forks = []
         for child in reversed(unforked):
             resubmit(child)
         return moves
-
-    def fail_move(self, move: Move, error: str, *, at: float) -> None:
-        """A KV copy failed: its destination is freed and the seq alone ends with an error."""
-        self.kv.cancel(move)
-        self.fail_all([move.seq], error, at)
 
     def _put(self, seq: Sequence, out: StepOutput) -> None:
         queue = self.queues.get(seq.seq_id)
@@ -596,12 +611,10 @@ class PrefillCore(Core):
             if batch and seq.num_tokens > budget:
                 break
             if not self.kv.allocate(seq, self.name, seq.num_tokens):
-                if batch:
-                    break
-                # admission control makes this a bug
-                self.life.finish(self.waiting.popleft(), SeqStatus.FINISHED_ERROR,
-                                 "prompt does not fit the prefill KV store", at=now)
-                continue
+                # NOTE: forward runs on an empty store (step offloads the last batch first),
+                # and admission control (BlockLedger.check_fits) sizes every seq to fit it
+                assert batch, f"{seq.seq_id} does not fit the empty {self.name} store"
+                break
             batch.append(self.waiting.popleft())
             budget -= seq.num_tokens
         if not batch:
@@ -621,18 +634,8 @@ class PrefillCore(Core):
         self.prefilling = []
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
-        forks: list[Move] = []
-        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
-            assert token_id is not None, "prefill of a whole sequence always samples"
-            seq.num_computed_tokens = seq.num_tokens
-            self.life.event(seq.seq_id, "prefill_end", now)
-            # NOTE: forks are reserved before the first token may finish `seq` and free its
-            # blocks; the driver copies them in this order, so a later fork's destination
-            # never overwrites an earlier fork's source before it is read
-            forks += self.life.fork(seq, now, partial(self.submit, front=True))
-            self.life.append_token(seq, token_id, logprob, now)
-            if not seq.is_finished:
-                self.blocked.append(seq)
+        forks = self._advance(step, token_ids, logprobs, now, partial(self.submit, front=True))
+        self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
         return forks
 
     def fail(self, error: str, now: float) -> None:
@@ -646,10 +649,7 @@ class PrefillCore(Core):
         pool is full (then `pool_space` wakes the driver)."""
         while self.blocked:
             seq = self.blocked[0]
-            if not self.life.reap([seq], now):
-                self.blocked.popleft()
-                continue
-            move = self.life.reserve(seq, "host", at=now)
+            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
             if move is None and not seq.is_finished:
                 return None
             self.blocked.popleft()
@@ -883,11 +883,7 @@ class DecodeCore(Core):
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
-        self._then: str | None = None  # moves are out; once landed: "forward" or "boundary"
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.running or self.cand_requests or self.cand_batch)
+        self._forward_next = False  # the boundary is planned: the iteration comes next
 
     def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
         """Staged seqs from the batcher: the next candidate batch, or candidate requests
@@ -922,26 +918,21 @@ class DecodeCore(Core):
                 self.current_batch_id = self.cand_batch_id
             moves = self._admit(plan.admit_requests, self.cand_requests, now)
             moves += self._admit(plan.admit_batch, self.cand_batch, now)
-            if not self.cand_batch:
-                self.ask_for_batch()
+            self.ask_for_batch()
             if moves:
                 return moves
-        if self._then is not None:
-            then, self._then = self._then, None
-            if "host" in self._freed:
-                self.wiring.pool_space()
-            if self.staging in self._freed:
-                self.wiring.staging_space()
-            self._freed.clear()
-            if then == "forward":
-                work = self.forward(now)
-                if isinstance(work, list) and work:  # an eviction: then a new boundary
-                    self._then = "boundary"
-                return work or None
-        if self.is_idle:
-            return None
+        if "host" in self._freed:
+            self.wiring.pool_space()
+        if self.staging in self._freed:
+            self.wiring.staging_space()
+        self._freed.clear()
+        if self._forward_next:
+            self._forward_next = False
+            return self.forward(now) or None  # an eviction's moves: then a new boundary
+        if not (self.running or self.cand_requests or self.cand_batch):
+            return None  # idle
         moves = self.boundary(now)
-        self._then = "forward"
+        self._forward_next = True
         return moves or self.step(now)
 
     # -- the boundary ------------------------------------------------------------------
@@ -950,8 +941,7 @@ class DecodeCore(Core):
         running batch (evictions, returns to the pool), in order. The admissions follow
         from `step`, once these moves have freed their decode blocks."""
         self.running = self.life.reap(self.running, now)
-        self.cand_requests = self.life.reap(self.cand_requests, now)
-        self.cand_batch = self.life.reap(self.cand_batch, now)
+        self.reap(now)
         plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
         by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
         moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
@@ -991,30 +981,27 @@ class DecodeCore(Core):
         move = self.life.reserve(seq, self.staging, at=now)
         if move is None and not seq.is_finished:
             move = self.life.reserve(seq, "host", at=now)
-        if move is not None or seq.is_finished:
-            return [] if move is None else [move]
-        self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
-        seq.num_computed_tokens = 0
-        self.wiring.submit(seq, front=True)  # prefill it again, first in line
-        return []
+        if move is None and not seq.is_finished:
+            self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
+            seq.num_computed_tokens = 0
+            self.wiring.submit(seq, front=True)  # prefill it again, first in line
+        return [move] if move else []
 
     def _to_pool(self, seq: Sequence, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the
         pool has no room it stays where it is."""
+        never_staged = seq.location == "host"  # a candidate request: no copy
+        move = None if never_staged else self.life.reserve(seq, "host", at=now)
+        if move is None and not never_staged and not seq.is_finished:
+            return None
         seq.num_returns += 1
-        if seq.location == "host":  # a candidate request that was never staged
-            self.cand_requests.remove(seq)
-            self.wiring.pooled(seq)
-            return None
-        move = self.life.reserve(seq, "host", at=now)
-        if move is None and not seq.is_finished:
-            seq.num_returns -= 1
-            return None
         if seq in self.running:
             self.running.remove(seq)
             self.life.event(seq.seq_id, "evicted", now)
         else:
             self.cand_requests.remove(seq)
+        if never_staged:
+            self.wiring.pooled(seq)
         return move
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
@@ -1054,7 +1041,7 @@ class DecodeCore(Core):
         """A boundary copy failed: that seq alone ends with an error."""
         if move.seq in self.running:
             self.running.remove(move.seq)
-        self.life.fail_move(move, error, at=now)
+        super().failed(move, error, now)
 
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
@@ -1094,11 +1081,7 @@ class DecodeCore(Core):
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
         """The iteration ran: one token per seq; finished seqs leave the batch."""
-        for seq, token_id, logprob in zip(step.seqs, token_ids, logprobs):
-            assert token_id is not None, "every decode item samples"
-            seq.num_computed_tokens = seq.num_tokens
-            if not seq.is_finished:
-                self.life.append_token(seq, token_id, logprob, now)
+        self._advance(step, token_ids, logprobs, now, self.wiring.submit)
         self.life.record(step, forward_time, schedule_time, is_mixed=len(
             {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
         self.running = [s for s in self.running if not s.is_finished]
@@ -1108,7 +1091,7 @@ class DecodeCore(Core):
         """The forward pass failed: the running batch ends with an error; the candidate
         buffers survive."""
         super().fail(error, now)
-        self._then, self._admissions = None, None
+        self._forward_next, self._admissions = False, None
 
 
 # -- colocated ------------------------------------------------------------------------
@@ -1192,23 +1175,12 @@ class ColocatedCore(Core):
         """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
         the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
         the driver carries out before the next step."""
-        num_prefill = 0
-        forks: list[Move] = []
-        for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
-                                             logprobs):
-            was_prefill = seq.status == SeqStatus.PREFILLING
-            num_prefill += n if was_prefill else 0
-            seq.num_computed_tokens += n
-            if token_id is None:
-                continue  # a prefill chunk that samples nothing yet
-            if was_prefill:
-                self.life.event(seq.seq_id, "prefill_end", now)
-                # NOTE: before the token may free `seq`'s blocks; copied in order (see
-                # PrefillCore.finish)
-                forks += self.life.fork(seq, now, self.submit)
-                seq.status = SeqStatus.DECODING
-            if not seq.is_finished:
-                self.life.append_token(seq, token_id, logprob, now)
+        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
+                          if s.status == SeqStatus.PREFILLING)
+        forks = self._advance(step, token_ids, logprobs, now, self.submit)
+        for seq, token_id in zip(step.seqs, token_ids):
+            if token_id is not None and seq.status == SeqStatus.PREFILLING:
+                seq.status = SeqStatus.DECODING  # its prefill ended
         self.life.record(step, forward_time, schedule_time, num_prefill)
         self.running = [s for s in self.running if not s.is_finished]
         return forks

@@ -6,7 +6,6 @@ and its KV moves over simulated links with their queues. The decisions are the c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -77,20 +76,6 @@ class SimContext:
             self.links[name] = Link(name, bandwidth, None if hw.is_gpu else self.device(device))
         return self.links[name]
 
-    def copy(self, move: Move, then: Callable[[Move, float], None]) -> float:
-        """Moves `move`'s blocks over its link from now; at arrival the ledger commits it
-        and `then(move, arrival)` runs. Returns the arrival time."""
-        start = self.loop.now
-        num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
-        landed = self.link_for(move).transfer(start, num_bytes)
-
-        def land() -> None:
-            self.kv.commit(move, start, landed)
-            then(move, landed)
-
-        self.loop.at(landed, land)
-        return landed
-
 
 class Instance:
     """One simulated instance: its core (any kind: the loop is the same), on its device's
@@ -147,16 +132,22 @@ class Instance:
                 self._copy([move])
 
     def _copy(self, moves: list[Move]) -> None:
-        """Copies `moves` one after another (the engine awaits each), then acts again."""
+        """Copies `moves` one after another (the engine awaits each), each over its link
+        from now; at its arrival the ledger commits it and the core is told. Then acts
+        again."""
         if not moves:
             self.act()
             return
+        move, start, ctx = moves[0], self.loop.now, self.ctx
+        end = ctx.link_for(move).transfer(start, ctx.cost.kv_bytes(move.num_blocks,
+                                                                   ctx.config.block_size))
 
-        def landed(move: Move, now: float) -> None:
-            self.core.landed(move, now)
+        def land() -> None:
+            ctx.kv.commit(move, start, end)
+            self.core.landed(move, end)
             self._copy(moves[1:])
 
-        self.ctx.copy(moves[0], landed)
+        self.loop.at(end, land)
 
     def _finish(self, step: Forward, duration: float) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no
