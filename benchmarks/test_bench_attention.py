@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aserve.host import tune_host_allocator
 from models import cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.cpu_kernels import advise_huge_pages
@@ -152,10 +153,15 @@ def spread(values: list[float]) -> str:
 def test_opt125m_decode_step_vs_roofline() -> None:
     """Each of ROUNDS rounds times one floor sample (matmul, copy) and one step, in turn,
     and divides the two: the ratio's median and range over the rounds is the result, in
-    wall time and in CPU time (all threads; robust to waiting for a core)."""
+    wall time and in CPU time (all threads; robust to waiting for a core). The process's
+    allocator is set up as the engine sets it up for a CPU decode (`tune_host_allocator`;
+    ASERVE_MALLOC_TUNING=0 leaves glibc's defaults), so that the step's fresh outputs (the
+    12.9 MB of batch-64 logits) come from the heap as they do in the engine, not from
+    pages faulted in and zeroed anew every step."""
+    tuned = tune_host_allocator()
     print(f"\nopt-125m decode step (metadata + forward + logits), context {CONTEXT}, paged; "
           f"{ROUNDS} rounds of (floor sample, step), median [min-max]; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; malloc tuned: {tuned}")
     print(f"{'dtype':9} {'batch':>5} {'step ms':>24} {'floor ms':>24} {'GFLOP/s mm':>11} "
           f"{'GB/s copy':>10} {'x floor (wall)':>20} {'x floor (CPU)':>20}")
     for dtype_name, dtype in DTYPES.items():

@@ -81,18 +81,52 @@ static inline float sum8(f32x8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+typedef float f32x4 __attribute__((vector_size(16)));
+#ifdef __clang__
+#define EVENS(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6)
+#define ODDS(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7)
+#else
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+#define EVENS(a, b) __builtin_shuffle(a, b, (i32x4){0, 2, 4, 6})
+#define ODDS(a, b) __builtin_shuffle(a, b, (i32x4){1, 3, 5, 7})
+#endif
+
+static inline f32x4 halves(f32x8 v) {  /* (v0 + v4, v1 + v5, v2 + v6, v3 + v7) */
+    f32x4 lo, hi; memcpy(&lo, &v, sizeof lo); memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+
+/* (sum8(a), sum8(b), sum8(c), sum8(d)), each added in sum8's order, in a few shuffles */
+static inline f32x4 sum8x4(f32x8 a, f32x8 b, f32x8 c, f32x8 d) {
+    f32x4 a4 = halves(a), b4 = halves(b), c4 = halves(c), d4 = halves(d);
+    f32x4 ab = EVENS(a4, b4) + ODDS(a4, b4), cd = EVENS(c4, d4) + ODDS(c4, d4);
+    return EVENS(ab, cd) + ODDS(ab, cd);
+}
+
 /* One work item = one sequence and a group of `group` adjacent heads, read token by token
    (each token's K/V of the group is one contiguous run): first this step's K/V of the
    group are written at position len - 1 (when k_new is set), then scores, softmax and the
    weighted sum of V; float32 throughout. Queries and output are QT (QLOAD, QSTORE), the
-   cache T (LOAD, STORE). `scores` holds group * max_len floats. */
+   cache T (LOAD, STORE). `scores` holds group * max_len floats, position-major (the score
+   of position p and head h at p * group + h).
+   The loads of K and V are what a decode step waits for (benchmarks/RESULTS.md §10): both
+   passes stream rows in memory order and keep several independent chains in flight, so
+   that the arithmetic hides under the loads. q.k takes four (token, head) pairs at a time,
+   four dot products whose sums reduce together (`sum8x4`); p.v takes four tokens at a
+   time, so that each accumulator is read and written once per four rows. Every sum is
+   formed in the same order as one pair or one token at a time would form it. */
 #define KERNEL(NAME, QT, QLOAD, QSTORE, T, LOAD, STORE)                                  \
+static inline f32x8 NAME##_dot(const T *k, const f32x8 *q, int64_t vecs) {              \
+    f32x8 dot = LOAD(k) * q[0];                                                         \
+    for (int64_t i = 1; i < vecs; i++) dot += LOAD(k + i * LANES) * q[i];               \
+    return dot;                                                                         \
+}                                                                                       \
 static void NAME(Job *job, float *scores) {                                             \
     const QT *q = job->q;                                                               \
     T *kbase = (T *)job->k;                                                             \
     const int64_t heads = job->heads, dim = job->dim, vecs = dim / LANES;               \
     const int64_t bs = job->block_size, row = heads * dim, g = job->group;              \
-    const int64_t groups = heads / g, stride = job->max_len;                            \
+    const int64_t groups = heads / g;                                                   \
     f32x8 qv[g * vecs], acc[g * vecs];                                                  \
     float peak[g], total[g];                                                            \
     for (;;) {                                                                          \
@@ -111,35 +145,56 @@ static void NAME(Job *job, float *scores) {                                     
             }                                                                           \
         }                                                                               \
         for (int64_t i = 0; i < g * vecs; i++) qv[i] = QLOAD(q + at + i * LANES) * job->scale; \
-        for (int64_t h = 0; h < g; h++) peak[h] = -INFINITY, total[h] = 0;              \
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *k = kbase + table[p0 / bs] * job->block_stride + h0 * dim;         \
-            int64_t n = len - p0 < bs ? len - p0 : bs;                                  \
-            for (int64_t t = 0; t < n; t++, k += row)                                   \
-                for (int64_t h = 0; h < g; h++) {                                       \
-                    const T *kh = k + h * dim;                                          \
-                    const f32x8 *qh = qv + h * vecs;                                    \
-                    f32x8 dot = LOAD(kh) * qh[0];                                       \
-                    for (int64_t i = 1; i < vecs; i++) dot += LOAD(kh + i * LANES) * qh[i]; \
-                    float s = sum8(dot);                                                \
-                    scores[h * stride + p0 + t] = s;                                    \
-                    if (s > peak[h]) peak[h] = s;                                       \
+            const int64_t pairs = (len - p0 < bs ? len - p0 : bs) * g;                  \
+            float *s = scores + p0 * g;                                                 \
+            int64_t j = 0, t = 0, h = 0;  /* pair j = (token t, head h) */              \
+            for (; j + 4 <= pairs; j += 4) {                                            \
+                f32x8 d[4];                                                             \
+                for (int u = 0; u < 4; u++) {                                           \
+                    d[u] = NAME##_dot(k + t * row + h * dim, qv + h * vecs, vecs);      \
+                    if (++h == g) h = 0, t++;                                           \
                 }                                                                       \
+                const f32x4 four = sum8x4(d[0], d[1], d[2], d[3]);                      \
+                memcpy(s + j, &four, sizeof four);                                      \
+            }                                                                           \
+            for (; j < pairs; j++) {                                                    \
+                s[j] = sum8(NAME##_dot(k + t * row + h * dim, qv + h * vecs, vecs));    \
+                if (++h == g) h = 0, t++;                                               \
+            }                                                                           \
         }                                                                               \
+        for (int64_t h = 0; h < g; h++) peak[h] = -INFINITY, total[h] = 0;              \
+        for (int64_t p = 0; p < len; p++)                                               \
+            for (int64_t h = 0; h < g; h++)                                             \
+                if (scores[p * g + h] > peak[h]) peak[h] = scores[p * g + h];           \
         for (int64_t h = 0; h < g; h++)                                                 \
             for (int64_t p = 0; p < len; p++)                                           \
-                total[h] += scores[h * stride + p] = expf(scores[h * stride + p] - peak[h]); \
+                total[h] += scores[p * g + h] = expf(scores[p * g + h] - peak[h]);      \
         for (int64_t i = 0; i < g * vecs; i++) acc[i] = (f32x8){0};                     \
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *v = kbase + job->v_offset + table[p0 / bs] * job->block_stride     \
                          + h0 * dim;                                                    \
-            int64_t n = len - p0 < bs ? len - p0 : bs;                                  \
-            for (int64_t t = 0; t < n; t++, v += row)                                   \
+            const float *w = scores + p0 * g;                                           \
+            const int64_t n = len - p0 < bs ? len - p0 : bs;                            \
+            int64_t t = 0;                                                              \
+            for (; t + 4 <= n; t += 4, v += 4 * row, w += 4 * g)                        \
                 for (int64_t h = 0; h < g; h++) {                                       \
-                    const float w = scores[h * stride + p0 + t];                        \
-                    for (int64_t i = 0; i < vecs; i++)                                  \
-                        acc[h * vecs + i] += LOAD(v + h * dim + i * LANES) * w;         \
+                    const float w0 = w[h], w1 = w[g + h], w2 = w[2 * g + h], w3 = w[3 * g + h]; \
+                    for (int64_t i = 0; i < vecs; i++) {                                \
+                        const T *vi = v + h * dim + i * LANES;                          \
+                        f32x8 a = acc[h * vecs + i];                                    \
+                        a += LOAD(vi) * w0;                                             \
+                        a += LOAD(vi + row) * w1;                                       \
+                        a += LOAD(vi + 2 * row) * w2;                                   \
+                        a += LOAD(vi + 3 * row) * w3;                                   \
+                        acc[h * vecs + i] = a;                                          \
+                    }                                                                   \
                 }                                                                       \
+            for (; t < n; t++, v += row, w += g)                                        \
+                for (int64_t h = 0; h < g; h++)                                         \
+                    for (int64_t i = 0; i < vecs; i++)                                  \
+                        acc[h * vecs + i] += LOAD(v + h * dim + i * LANES) * w[h];      \
         }                                                                               \
         QT *out = (QT *)job->out + (seq * heads + h0) * dim;                            \
         for (int64_t h = 0; h < g; h++)                                                 \
