@@ -69,15 +69,15 @@ class WorkloadRun:
     def systems(self) -> list[str]:
         return list(dict.fromkeys(r.system for r in self.results))
 
-    def runs(self, system: str) -> list[Summary]:
-        """Each run of `system`, in repeat order."""
-        return [r.summary(self.tpot_slo) for r in sorted(self.results, key=lambda r: r.repeat)
-                if r.system == system]
+    def runs(self, system: str) -> list[RunResult]:
+        """Each run of `system`, in repeat order (the order they ran)."""
+        return [r for r in self.results if r.system == system]
 
     @property
     def summaries(self) -> list[Summary]:
         """One row per system: its run, or the median of its repeated runs."""
-        return [median_summary(self.runs(system)) for system in self.systems]
+        return [median_summary([r.summary(self.tpot_slo) for r in self.runs(system)])
+                for system in self.systems]
 
 
 def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
@@ -219,16 +219,15 @@ def spread(run: WorkloadRun) -> str:
     their median, with the machine's CPU steal per run."""
     lines = ["| system | decode tok/s median | per run | TPOT p99 ms median | per run "
              "| CPU steal % per run |", "|---|---|---|---|---|---|"]
-    for system, median in zip(run.systems, run.summaries):
-        each = run.runs(system)
-        steal = [r.cpu_steal for r in sorted(run.results, key=lambda r: r.repeat)
-                 if r.system == system]
+    for system in run.systems:
+        each = [r.summary(run.tpot_slo) for r in run.runs(system)]
+        median = median_summary(each)
         lines.append(" | ".join([
             f"| {system}", report.fmt(median.decode_throughput, 1),
             ", ".join(report.fmt(s.decode_throughput, 1) for s in each),
             report.fmt(median.tpot_p99 * report.MS, 1),
             ", ".join(report.fmt(s.tpot_p99 * report.MS, 1) for s in each),
-            ", ".join(report.fmt(x * 100, 1) for x in steal)]) + " |")
+            ", ".join(report.fmt(r.cpu_steal * 100, 1) for r in run.runs(system))]) + " |")
     return "\n".join(lines) + "\n"
 
 
