@@ -104,14 +104,28 @@ class Core:
     life: Lifecycle
     waiting: Any  # an entry core's queue (prefill, colocated)
     running: list[Sequence]  # a decode (or colocated) core's running batch
+    current_batch_id = -1  # a decode core's running batch (its iterations may mix two)
+    prefilled = SeqStatus.PREFILLING  # a seq's status once its prefill has ended here
 
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
 
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        raise NotImplementedError  # an entry core's (prefill, colocated)
+
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
-        raise NotImplementedError
+        """The forward ran (a decode or colocated step; prefill records first): outputs
+        advance, the step is recorded, finished seqs leave the running batch. Returns the
+        KV copies of samples forked from prompts whose prefill ended (`_advance`)."""
+        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
+                          if s.status == SeqStatus.PREFILLING)
+        forks = self._advance(step, token_ids, logprobs, now)
+        self.life.record(step, forward_time, schedule_time, num_prefill, is_mixed=len(
+            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
+        self.running = [s for s in self.running if not s.is_finished]
+        return forks
 
     def landed(self, move: Move, now: float) -> None:
         raise NotImplementedError
@@ -127,14 +141,14 @@ class Core:
         self.running = []
 
     def _advance(self, step: Forward, token_ids: list[int | None],
-                 logprobs: list[float | None], now: float,
-                 resubmit: Callable[[Sequence], None]) -> list[Move]:
+                 logprobs: list[float | None], now: float) -> list[Move]:
         """The one path of a forward's outputs, every core's: each seq's computed prefix
         grows by its chunk and a seq that sampled gets its token. A prefill that ended
-        forks its waiting samples (n > 1; unforked ones go to `resubmit`) first: the token
-        may finish the seq and free the blocks the forks copy from. Returns the forks'
-        KV moves, which the driver copies in this order, so a later fork's destination
-        never overwrites an earlier fork's source before it is read."""
+        forks its waiting samples (n > 1; unforked ones are submitted again, first in line)
+        first: the token may finish the seq and free the blocks the forks copy from; the
+        seq then takes the core's `prefilled` status. Returns the forks' KV moves, which
+        the driver copies in this order, so a later fork's destination never overwrites an
+        earlier fork's source before it is read."""
         forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
                                              logprobs):
@@ -144,8 +158,10 @@ class Core:
                 continue  # a prefill chunk that samples nothing yet
             if was_prefill:
                 self.life.event(seq.seq_id, "prefill_end", now)
-                forks += self.life.fork(seq, now, resubmit)
+                forks += self.life.fork(seq, now, partial(self.submit, front=True))
             if not seq.is_finished:
+                if was_prefill:
+                    seq.status = self.prefilled
                 self.life.append_token(seq, token_id, logprob, now)
         return forks
 
@@ -173,7 +189,9 @@ class Wiring:
         batcher = [self.batcher] if self.batcher is not None else []
         return [*self.prefills, *batcher, *self.decodes]
 
-    def _to_batcher(self, call: Callable[[Any], None]) -> None:
+    def to_batcher(self, call: Callable[[BatcherCore], object] = lambda core: None) -> None:
+        """Tells the batcher (`call` on its core at once) and wakes it: a seq pooled, a
+        decode instance wanting a batch (no call), a window reported, staging room freed."""
         assert self.batcher is not None, "the disaggregated cluster has a batcher"
         call(self.batcher.core)
         self.batcher.wake()
@@ -218,18 +236,6 @@ class Wiring:
         for driver in self.drivers:
             driver.core.reap(now)
 
-    def pooled(self, seq: Sequence) -> None:
-        """`seq`'s KV landed in the host pool: the batcher indexes it."""
-        self._to_batcher(lambda core: core.add(seq))
-
-    def want_batch(self) -> None:
-        """A decode instance's candidate batch buffer is empty (its `wants_batch`)."""
-        self._to_batcher(lambda core: None)
-
-    def report_window(self, instance: int, window: Window) -> None:
-        """Decode instance `instance`'s running length window changed."""
-        self._to_batcher(lambda core: core.report_window(instance, window))
-
     def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
         """Staged seqs for decode instance `instance`: a candidate batch, or candidate
         requests when `batch_id` < 0."""
@@ -241,10 +247,6 @@ class Wiring:
         for prefill in self.prefills:
             if prefill.core.blocked:
                 prefill.wake()
-
-    def staging_space(self) -> None:
-        """Staging blocks were freed: the batcher may stage more."""
-        self._to_batcher(lambda core: core.pool_changed())
 
 
 def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
@@ -634,7 +636,7 @@ class PrefillCore(Core):
         self.prefilling = []
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
-        forks = self._advance(step, token_ids, logprobs, now, partial(self.submit, front=True))
+        forks = self._advance(step, token_ids, logprobs, now)
         self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
         return forks
 
@@ -665,7 +667,7 @@ class PrefillCore(Core):
             self.blocked.append(seq)
             return
         self.life.event(seq.seq_id, "pooled", now)
-        self.wiring.pooled(seq)
+        self.wiring.to_batcher(lambda batcher: batcher.add(seq))
 
 
 # -- batcher --------------------------------------------------------------------------
@@ -705,7 +707,6 @@ class BatcherCore(Core):
         self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
         self.max_batch_size = max_batch_size
         self.seqs: dict[str, Sequence] = {}
-        self.in_flight: set[int] = set()  # instances whose next batch is being staged
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
@@ -743,7 +744,6 @@ class BatcherCore(Core):
         """The orders being staged end with an error."""
         for order in self.orders:
             self.life.fail_all(order.seqs, error, now)
-            self.in_flight.discard(order.instance)
         self.orders = []
 
     def add(self, seq: Sequence) -> None:
@@ -777,8 +777,9 @@ class BatcherCore(Core):
         requests for the first window that asks; None when there is nothing to do. An
         instance waits while it `wants_batch` and none is being staged for it (a second
         batch would overwrite the first)."""
+        staging = {order.instance for order in self.orders if order.batch_id >= 0}
         wanting = [i for i, decode in enumerate(self.wiring.decodes)
-                   if decode.core.wants_batch and i not in self.in_flight]
+                   if decode.core.wants_batch and i not in staging]
         for instance in wanting:
             if not self.seqs:
                 break
@@ -786,7 +787,6 @@ class BatcherCore(Core):
             if not ids:  # only requests above the share: give one the whole cache
                 ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
             if ids:
-                self.in_flight.add(instance)
                 self.num_batches += 1
                 return self._take(instance, self.num_batches, ids)
         while self.pending:
@@ -850,10 +850,7 @@ class BatcherCore(Core):
         live = self.life.reap(order.seqs, now)
         if order.moved:
             self.wiring.pool_space()
-        if order.batch_id >= 0:
-            # with none left (aborted or failed while staged) it still `wants_batch`
-            self.in_flight.discard(order.instance)
-        if live:
+        if live:  # with none left (aborted or failed while staged) it still `wants_batch`
             self.wiring.deliver(order.instance, order.batch_id, live)
 
 
@@ -906,7 +903,7 @@ class DecodeCore(Core):
     def ask_for_batch(self) -> None:
         if not self.cand_batch and not self.wants_batch:
             self.wants_batch = True
-            self.wiring.want_batch()
+            self.wiring.to_batcher()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """The boundary's moves; once they landed, the admissions' moves; once those landed,
@@ -924,7 +921,7 @@ class DecodeCore(Core):
         if "host" in self._freed:
             self.wiring.pool_space()
         if self.staging in self._freed:
-            self.wiring.staging_space()
+            self.wiring.to_batcher(BatcherCore.pool_changed)
         self._freed.clear()
         if self._forward_next:
             self._forward_next = False
@@ -1001,7 +998,7 @@ class DecodeCore(Core):
         else:
             self.cand_requests.remove(seq)
         if never_staged:
-            self.wiring.pooled(seq)
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
         return move
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
@@ -1035,7 +1032,7 @@ class DecodeCore(Core):
             seq.status = SeqStatus.STAGED
             self.cand_requests.append(seq)
         else:
-            self.wiring.pooled(seq)
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
 
     def failed(self, move: Move, error: str, now: float) -> None:
         """A boundary copy failed: that seq alone ends with an error."""
@@ -1074,18 +1071,8 @@ class DecodeCore(Core):
             # and the next batch would then be chosen from what little is left there.
             held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
             slots = self.max_batch_size - len(self.running) - len(self.cand_requests)
-            self.wiring.report_window(self.index, Window(
-                *window, self.kv.free_blocks(self.name) - held, slots))
-
-    def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
-        """The iteration ran: one token per seq; finished seqs leave the batch."""
-        self._advance(step, token_ids, logprobs, now, self.wiring.submit)
-        self.life.record(step, forward_time, schedule_time, is_mixed=len(
-            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
-        self.running = [s for s in self.running if not s.is_finished]
-        return []
+            room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
+            self.wiring.to_batcher(lambda batcher: batcher.report_window(self.index, room))
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate
@@ -1106,6 +1093,8 @@ def _arrival_order(seq: Sequence) -> tuple[float, str]:
 
 class ColocatedCore(Core):
     """A waiting queue (arrival order), a running batch, one KV cache."""
+
+    prefilled = SeqStatus.DECODING
 
     def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
                  scheduler: ContinuousScheduler) -> None:
@@ -1168,22 +1157,6 @@ class ColocatedCore(Core):
         seq.num_computed_tokens = 0
         self.life.event(seq.seq_id, "evicted", now)
         self.submit(seq)
-
-    def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
-        """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
-        the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
-        the driver carries out before the next step."""
-        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
-                          if s.status == SeqStatus.PREFILLING)
-        forks = self._advance(step, token_ids, logprobs, now, self.submit)
-        for seq, token_id in zip(step.seqs, token_ids):
-            if token_id is not None and seq.status == SeqStatus.PREFILLING:
-                seq.status = SeqStatus.DECODING  # its prefill ended
-        self.life.record(step, forward_time, schedule_time, num_prefill)
-        self.running = [s for s in self.running if not s.is_finished]
-        return forks
 
     def landed(self, move: Move, now: float) -> None:
         """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""

@@ -12,12 +12,12 @@ import selectors
 
 import pytest
 
-from aserve.config import EngineConfig
+from aserve.config import EngineConfig, SchedulerConfig
 from aserve.core import Request, SamplingParams
 from aserve.engine import Engine
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES as REGISTERED
-from scheduler import get_policy, throughput
+from scheduler import PolicyConfig, get_policy, throughput
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.drivers import SimContext
 from sim.hardware import Hardware
@@ -151,7 +151,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
     cost = cost_model()
     config = engine_config(policy)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
-                       get_policy(policy, ClusterConfig().policy_config(4096)))
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe)
     kv = engine.ctx.kv  # type: ignore[union-attr]
     cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
