@@ -186,8 +186,7 @@ class Wiring:
 
     @property
     def drivers(self) -> list[Driver]:
-        batcher = [self.batcher] if self.batcher is not None else []
-        return [*self.prefills, *batcher, *self.decodes]
+        return [*self.prefills, *filter(None, [self.batcher]), *self.decodes]
 
     def to_batcher(self, call: Callable[[BatcherCore], object] = lambda core: None) -> None:
         """Tells the batcher (`call` on its core at once) and wakes it: a seq pooled, a
@@ -452,7 +451,8 @@ class Lifecycle:
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:
         """Appends one sampled token, records its event, streams it, and finishes the
-        sequence if a stop condition holds."""
+        sequence if a stop condition holds (a stop token or EOS once `min_tokens` are out,
+        else `max_tokens`)."""
         first = seq.num_output_tokens == 0
         seq.append_token(token_id, at, logprob if seq.sampling.logprobs else None)
         if first:
@@ -461,9 +461,12 @@ class Lifecycle:
             self.event(seq.seq_id, "token", at)
         lp = (logprob,) if seq.sampling.logprobs and logprob is not None else ()
         self._put(seq, StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
-        status = stop_status(seq, self.eos_token_id)
-        if status is not None:
-            self.finish(seq, status, at=at)
+        params = seq.sampling
+        if seq.num_output_tokens >= params.min_tokens and (token_id in params.stop_token_ids or (
+                token_id == self.eos_token_id and not params.ignore_eos)):
+            self.finish(seq, SeqStatus.FINISHED_STOPPED, at=at)
+        elif seq.num_output_tokens >= params.max_tokens:
+            self.finish(seq, SeqStatus.FINISHED_LENGTH, at=at)
 
     def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
         """Asks for `seq_id` to end; the core that holds it finishes it at its next safe
@@ -555,18 +558,6 @@ class Lifecycle:
         queue = self.queues.get(seq.seq_id)
         if queue is not None:
             queue.put_nowait(out)
-
-
-def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
-    """The finished state `seq` has reached after its newest token, if any."""
-    params = seq.sampling
-    last = seq.token_ids[-1]
-    if seq.num_output_tokens >= params.min_tokens:
-        if last in params.stop_token_ids or (last == eos_token_id and not params.ignore_eos):
-            return SeqStatus.FINISHED_STOPPED
-    if seq.num_output_tokens >= params.max_tokens:
-        return SeqStatus.FINISHED_LENGTH
-    return None
 
 
 # -- prefill --------------------------------------------------------------------------

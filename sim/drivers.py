@@ -117,19 +117,18 @@ class Instance:
                 if self._is_woken:  # woken while busy: act again once the loop is free
                     self.loop.soon(self._on_wake)
                 return
+            if self.device is None:  # the batcher's copies: each acts again once landed
+                for move in work:  # type: ignore[union-attr]
+                    self._copy([move])
+                continue
+            self.is_busy = True
             if isinstance(work, Forward):
-                assert self.device is not None, "only instances on a device compute"
-                self.is_busy = True
                 duration = self.ctx.forward_time(work)
                 end = self.device.run(self.loop.now, duration)[1]
                 self.loop.at(end, partial(self._finish, work, duration))
-                return
-            if self.device is not None:
-                self.is_busy = True
+            else:
                 self._copy(work)
-                return
-            for move in work:  # the batcher's: each acts again once landed
-                self._copy([move])
+            return
 
     def _copy(self, moves: list[Move]) -> None:
         """Copies `moves` one after another (the engine awaits each), each over its link
