@@ -314,24 +314,22 @@ class BlockLedger:
             self.allocators[seq.location].free(seq.seq_id)
             seq.location = ""
 
-    def reserve(self, seq: Sequence, dst: str) -> Move | None:
+    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None) -> Move | None:
         """Allocates room for `seq`'s KV (its `num_computed_tokens` entries) in store `dst`;
-        None (nothing changed) when `dst` is full. The source keeps the KV until `commit`."""
-        assert seq.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
-        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
-        return None if dst_ids is None else Move(seq, seq.location, dst, len(dst_ids))
+        None (nothing changed) when `dst` is full. The source keeps the KV until `commit`.
 
-    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> Move | None:
-        """Gives `child` blocks in `parent`'s store for a copy of the parent's first
-        `num_tokens` KV entries (n samples of one prompt share its prefill); None (nothing
-        changed) when the store is full. The move's source ids are taken now: the driver
-        copies before anything allocates in that store again, even if the parent has
-        finished (and freed its blocks) meanwhile."""
-        if not self.allocate(child, parent.location, max(num_tokens, 1)):
+        With `parent` (a fork: n samples of one prompt share its prefill), `seq` holds no KV
+        yet and gets a copy of the parent's first entries in the parent's store, `dst`. The
+        move's source ids are taken now: the driver copies before anything allocates in
+        that store again, even if the parent has finished (and freed its blocks) meanwhile.
+        """
+        source = parent or seq
+        assert source.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
+        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
+        if dst_ids is None:
             return None
-        num_blocks = len(self.table(child))
-        src_ids = tuple(self.table(parent)[:num_blocks])
-        return Move(child, parent.location, parent.location, num_blocks, src_ids)
+        src_ids = tuple(self.table(parent)[:len(dst_ids)]) if parent else None
+        return Move(seq, source.location, dst, len(dst_ids), src_ids)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of `move`, aligned block for block."""
@@ -352,9 +350,6 @@ class BlockLedger:
     def cancel(self, move: Move) -> None:
         """The copy failed: the destination blocks are freed, the source keeps the KV (a
         fork then holds none)."""
-        if move.src_ids is not None:
-            self.release(move.seq)
-            return
         self.allocators[move.dst].free(move.seq.seq_id)
 
     def limits(self, uses_pool: bool) -> dict[str, int]:
@@ -505,16 +500,12 @@ class Lifecycle:
         if self.on_finish is not None:
             self.on_finish(seq)
 
-    def reserve(self, seq: Sequence, dst: str, *, at: float) -> Move | None:
+    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None, *,
+                at: float) -> Move | None:
         """`BlockLedger.reserve`, except that a store refusing the allocation by raising
         ends `seq` alone with an error (check `seq.is_finished` after None)."""
-        return self._guarded(seq, partial(self.kv.reserve, seq, dst), at)
-
-    def _guarded(self, seq: Sequence, allocate: Callable[[], Move | None],
-                 at: float) -> Move | None:
-        """`allocate()`; a store raising ends `seq` alone with an error (None)."""
         try:
-            return allocate()
+            return self.kv.reserve(seq, dst, parent)
         except Exception as exc:  # a store's failure is this seq's, not the instance's
             logger.exception("allocating KV for %s failed", seq.seq_id)
             self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
@@ -542,12 +533,14 @@ class Lifecycle:
         unforked: list[Sequence] = []
         num_cached = seq.num_prompt_tokens - 1
         for child in self.reap(seq.forks, at):
-            move = self._guarded(child, partial(self.kv.fork, seq, child, num_cached), at)
+            child.num_computed_tokens = num_cached
+            move = self.reserve(child, seq.location, seq, at=at)
             if move is not None:
-                child.num_computed_tokens, child.status = num_cached, seq.status
+                child.status = seq.status
                 child.prompt_logprobs[:] = seq.prompt_logprobs
                 moves.append(move)
             elif not child.is_finished:
+                child.num_computed_tokens = 0
                 unforked.append(child)
         seq.forks = []
         for child in reversed(unforked):
