@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sortedcontainers import SortedKeyList
 
@@ -45,6 +45,9 @@ from scheduler import (
     ceil_div,
 )
 from transport.blocks import BlockAllocator
+
+if TYPE_CHECKING:
+    from aserve.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 LOCATIONS = ("prefill", "staging", "host", "decode")
@@ -100,12 +103,20 @@ class Core:
     or `failed`), or None (nothing until the driver is woken); `fail` ends what the core
     held when the driver's step raised."""
 
-    name: str
-    life: Lifecycle
     waiting: Any  # an entry core's queue (prefill, colocated)
     running: list[Sequence]  # a decode (or colocated) core's running batch
     current_batch_id = -1  # a decode core's running batch (its iterations may mix two)
     prefilled = SeqStatus.PREFILLING  # a seq's status once its prefill has ended here
+
+    def __init__(self, ctx: Any, name: str, index: int = 0) -> None:
+        """`ctx`: what the cores of one engine (or simulated cluster) share, the driver's
+        context: `policy`, `kv` (a BlockLedger), `life`, `wiring`, `config.scheduler`."""
+        self.name, self.index = name, index
+        self.policy: Policy = ctx.policy
+        self.kv: BlockLedger = ctx.kv
+        self.life: Lifecycle = ctx.life
+        self.wiring: Wiring = ctx.wiring
+        self.sched: SchedulerConfig = ctx.config.scheduler  # budgets and knobs
 
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
@@ -196,30 +207,23 @@ class Wiring:
         self.batcher.wake()
 
     def connect(self, drive: Callable[[Core, str | None], Driver], ctx: Any,
-                decode_devices: Sequence_[str]) -> list[Driver]:
+                decode_devices: Sequence_[str]) -> None:
         """Builds the cores of `ctx.policy` (one colocated instance per decode device if it
-        uses no pool; else prefill instances, the batcher and decode instances), over the
-        context's `kv` and `life`, with its `config`'s SchedulerConfig and prefill devices
-        (the engine's EngineConfig, or the simulator's cluster), each in its driver
-        `drive(core, device)` (no device for the batcher); starts them (each decode instance
-        asks for its first batch) and returns the drivers."""
-        policy, kv, life, sched = ctx.policy, ctx.kv, ctx.life, ctx.config.scheduler
-        batch = sched.max_batch_size
-        if not policy.uses_pool:
-            self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
-                sched.max_prefill_tokens, batch, kv.block_size)), dev)
-                for j, dev in enumerate(decode_devices)]
-            return self.drivers
-        num_blocks = kv.allocators["decode0"].num_blocks
-        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens), dev)
+        uses no pool; else prefill instances, the batcher and decode instances) over the
+        driver's context `ctx` (see `Core`; its `config` is the engine's EngineConfig or the
+        simulator's cluster, which names the prefill devices), each in its driver
+        `drive(core, device)` (no device for the batcher), and starts them (each decode
+        instance asks for its first batch)."""
+        if not ctx.policy.uses_pool:
+            self.decodes = [drive(ColocatedCore(ctx, j), dev)
+                            for j, dev in enumerate(decode_devices)]
+            return
+        self.prefills = [drive(PrefillCore(ctx, i), dev)
                          for i, dev in enumerate(ctx.config.prefill_devices)]
-        self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
-                                         sched.batch_kv_fraction, batch), None)
-        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch), dev)
-                        for j, dev in enumerate(decode_devices)]
+        self.batcher = drive(BatcherCore(ctx), None)
+        self.decodes = [drive(DecodeCore(ctx, j), dev) for j, dev in enumerate(decode_devices)]
         for decode in self.decodes:
             decode.core.ask_for_batch()
-        return self.drivers
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new request (or one to prefill again, `front` first in line) goes to the
@@ -562,11 +566,8 @@ class Lifecycle:
 class PrefillCore(Core):
     """A waiting queue, a scratch KV store, and the prefilled seqs waiting for the pool."""
 
-    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
-                 max_prefill_tokens: int) -> None:
-        self.index, self.name = index, f"prefill{index}"
-        self.kv, self.life, self.wiring = kv, life, wiring
-        self.max_prefill_tokens = max_prefill_tokens
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"prefill{index}", index)
         self.waiting: deque[Sequence] = deque()
         self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
         self.prefilling: list[Sequence] = []  # the forward in flight
@@ -590,7 +591,7 @@ class PrefillCore(Core):
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
         self.reap(now)
-        budget = self.max_prefill_tokens
+        budget = self.sched.max_prefill_tokens
         batch: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
@@ -678,18 +679,13 @@ class Order:
 class BatcherCore(Core):
     """Pooled seqs, the decode instances waiting for a batch, and their running windows."""
 
-    name = "batcher"
-
-    def __init__(self, policy: Policy, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
-                 num_decode_blocks: int, batch_kv_fraction: float,
-                 max_batch_size: int) -> None:
-        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
-        self.num_decode_blocks = num_decode_blocks
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx, "batcher")
+        self.num_decode_blocks = self.kv.allocators["decode0"].num_blocks
         # NOTE: a batch's budget is a share of the decode cache, not capped by free staging:
         # what the staging buffer cannot take stays in the host pool and is copied straight
         # to decode when admitted, so no request is too big to batch.
-        self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
-        self.max_batch_size = max_batch_size
+        self.batch_blocks = int(self.num_decode_blocks * self.sched.batch_kv_fraction)
         self.seqs: dict[str, Sequence] = {}
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
@@ -767,9 +763,10 @@ class BatcherCore(Core):
         for instance in wanting:
             if not self.seqs:
                 break
-            ids = self.policy.next_batch(self.batch_blocks, self.max_batch_size, now)
+            batch = self.sched.max_batch_size
+            ids = self.policy.next_batch(self.batch_blocks, batch, now)
             if not ids:  # only requests above the share: give one the whole cache
-                ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
+                ids = self.policy.next_batch(self.num_decode_blocks, batch, now)
             if ids:
                 self.num_batches += 1
                 return self._take(instance, self.num_batches, ids)
@@ -851,11 +848,9 @@ class BatcherCore(Core):
 class DecodeCore(Core):
     """The running batch and its two candidate buffers."""
 
-    def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
-                 wiring: Wiring, max_batch_size: int) -> None:
-        self.index, self.name, self.staging = index, f"decode{index}", f"staging{index}"
-        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
-        self.max_batch_size = max_batch_size
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"decode{index}", index)
+        self.staging = f"staging{index}"
         self.running: list[Sequence] = []
         self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
         self.cand_batch: list[Sequence] = []
@@ -950,7 +945,7 @@ class DecodeCore(Core):
 
         return BoundaryView(
             running=views(self.running), free_blocks=self.kv.free_blocks(self.name),
-            block_size=self.kv.block_size, max_batch_size=self.max_batch_size,
+            block_size=self.kv.block_size, max_batch_size=self.sched.max_batch_size,
             candidate_requests=views(self.cand_requests),
             candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
             now=now)
@@ -1054,7 +1049,7 @@ class DecodeCore(Core):
             # requests beyond what the batch can take would drain the pool into staging,
             # and the next batch would then be chosen from what little is left there.
             held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
-            slots = self.max_batch_size - len(self.running) - len(self.cand_requests)
+            slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
             room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
             self.wiring.to_batcher(lambda batcher: batcher.report_window(self.index, room))
 
@@ -1080,10 +1075,10 @@ class ColocatedCore(Core):
 
     prefilled = SeqStatus.DECODING
 
-    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
-                 scheduler: ContinuousScheduler) -> None:
-        self.index, self.name = index, f"decode{index}"
-        self.kv, self.life, self.scheduler = kv, life, scheduler
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"decode{index}", index)
+        self.scheduler = ContinuousScheduler(self.sched.max_prefill_tokens,
+                                             self.sched.max_batch_size, self.kv.block_size)
         self.waiting = SortedKeyList(key=_arrival_order)
         self.running: list[Sequence] = []
 
