@@ -14,7 +14,7 @@ from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv
 from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
-from sim.loop import Device, EventLoop, Link
+from sim.loop import Device, EventLoop
 from transport.blocks import BlockAllocator
 
 
@@ -28,7 +28,7 @@ class SimContext:
     record_tokens: bool = True
     loop: EventLoop = field(default_factory=EventLoop)
     devices: dict[str, Device] = field(default_factory=dict)
-    links: dict[str, Link] = field(default_factory=dict)
+    links: dict[str, Device] = field(default_factory=dict)  # a GPU's link timelines
     policy_time: float = 0.0  # real seconds spent deciding (inside the cores), not simulated
     wiring: Wiring = field(default_factory=Wiring)
     kv: BlockLedger = field(init=False)
@@ -58,11 +58,13 @@ class SimContext:
     def device(self, name: str) -> Device:
         return self.devices.setdefault(name, Device(name))
 
-    def link_for(self, move: Move) -> Link:
-        """Host moves use the device's PCIe link, one per direction; device moves the device
-        link (NVLink), or a plain memcpy within one device. On a CPU (`not hardware.is_gpu`)
-        the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
-        copies in the device's thread."""
+    def transfer(self, move: Move, start: float) -> float:
+        """Books `move`'s copy from `start` on its link and returns when it lands. Host moves
+        use the device's PCIe link, one per direction; device moves the device link
+        (NVLink), or a plain memcpy within one device. A link is a timeline of its own whose
+        copies queue behind each other (FIFO); on a CPU (`not hardware.is_gpu`) the copies
+        occupy the device's compute timeline, as the engine runs CPU-to-CPU copies in the
+        device's thread, between its forwards."""
         hw = self.cost.hardware
         src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
@@ -72,9 +74,9 @@ class SimContext:
         else:
             device, name = src, f"{src}->{dst}"
             bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        if name not in self.links:
-            self.links[name] = Link(name, bandwidth, None if hw.is_gpu else self.device(device))
-        return self.links[name]
+        link = self.links.setdefault(name, Device(name)) if hw.is_gpu else self.device(device)
+        num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
+        return link.run(start, num_bytes / bandwidth)[1]
 
 
 class Instance:
@@ -137,12 +139,11 @@ class Instance:
         if not moves:
             self.act()
             return
-        move, start, ctx = moves[0], self.loop.now, self.ctx
-        end = ctx.link_for(move).transfer(start, ctx.cost.kv_bytes(move.num_blocks,
-                                                                   ctx.config.block_size))
+        move, start = moves[0], self.loop.now
+        end = self.ctx.transfer(move, start)
 
         def land() -> None:
-            ctx.kv.commit(move, start, end)
+            self.ctx.kv.commit(move, start, end)
             self.core.landed(move, end)
             self._copy(moves[1:])
 

@@ -1,4 +1,5 @@
-"""The simulator's machinery: a heapq event loop, simulated links and devices.
+"""The simulator's machinery: a heapq event loop, and the timelines of simulated devices
+and links.
 
 Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
 `scheduler/`), no costs (that is `sim.cost`). Events at the same time run in the order they
@@ -48,27 +49,9 @@ class EventLoop:
         return len(self._heap)
 
 
-class Link:
-    """One direction of one link: transfers queue behind each other (FIFO) on its own
-    timeline, or with `device` on that device's compute timeline (the engine on a CPU
-    copies between CPU stores in the device's worker thread, between its forwards).
-    """
-
-    __slots__ = ("bandwidth", "timeline")
-
-    def __init__(self, name: str, bandwidth: float, device: Device | None = None) -> None:
-        if not bandwidth > 0:
-            raise ValueError(f"bandwidth ({bandwidth}) of link {name!r} must be > 0")
-        self.bandwidth, self.timeline = bandwidth, device or Device(name)
-
-    def transfer(self, start: float, num_bytes: float) -> float:
-        """Queues `num_bytes` no earlier than `start`; returns when they have arrived."""
-        return self.timeline.run(start, num_bytes / self.bandwidth)[1]
-
-
 class Device:
-    """A compute timeline: instances on one device run their steps one after another (a
-    link's own timeline too)."""
+    """A compute timeline: instances on one device run their steps one after another (one
+    direction of a link too: its copies queue behind each other)."""
 
     __slots__ = ("name", "busy_until", "busy_time")
 

@@ -91,8 +91,7 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
 
     async def copy(move, clock) -> None:  # type: ignore[no-untyped-def]
         start = clock()
-        landed = sim_ctx.link_for(move).transfer(
-            start, cost.kv_bytes(move.num_blocks, kv.block_size))
+        landed = sim_ctx.transfer(move, start)
         await asyncio.sleep(landed - start)
         kv.commit(move, start, landed)
 
