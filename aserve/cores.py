@@ -414,7 +414,7 @@ class Lifecycle:
         self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
-        self.on_finish: Callable[[Sequence], None] | None = None  # the driver's bookkeeping
+        self.on_finish: Callable[[Sequence], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
 
     def _keep(self, trace: list[Any], item: object) -> int:
@@ -459,7 +459,8 @@ class Lifecycle:
         elif self.record_tokens:
             self.event(seq.seq_id, "token", at)
         lp = (logprob,) if seq.sampling.logprobs and logprob is not None else ()
-        self._put(seq, StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
+        if (queue := self.queues.get(seq.seq_id)) is not None:
+            queue.put_nowait(StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
         params = seq.sampling
         if seq.num_output_tokens >= params.min_tokens and (token_id in params.stop_token_ids or (
                 token_id == self.eos_token_id and not params.ignore_eos)):
@@ -499,10 +500,9 @@ class Lifecycle:
         seq.forks = []
         self.event(seq.seq_id, "finish", at)
         self.finish_requests.pop(seq.seq_id, None)
-        self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
-        self.queues.pop(seq.seq_id, None)
-        if self.on_finish is not None:
-            self.on_finish(seq)
+        if (queue := self.queues.pop(seq.seq_id, None)) is not None:
+            queue.put_nowait(StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
+        self.on_finish(seq)
 
     def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None, *,
                 at: float) -> Move | None:
@@ -550,11 +550,6 @@ class Lifecycle:
         for child in reversed(unforked):
             resubmit(child)
         return moves
-
-    def _put(self, seq: Sequence, out: StepOutput) -> None:
-        queue = self.queues.get(seq.seq_id)
-        if queue is not None:
-            queue.put_nowait(out)
 
 
 # -- prefill --------------------------------------------------------------------------

@@ -77,7 +77,6 @@ class Actor:
         self._copies: set[asyncio.Task[None]] = set()  # the batcher's copies in flight
         self.device = device
         if device is not None:
-            self.store = ctx.kv[core.name]
             self.runner = ctx.runners[device]
 
     def wake(self) -> None:
@@ -139,7 +138,7 @@ class Actor:
         """Runs `step` on the device's worker thread (the engine's one way to compute)."""
         items = [work_item(s, self.ctx.kv.table(s), n)
                  for s, n in zip(step.seqs, step.num_new_tokens)]
-        return await self.runner.execute(items, self.store.tensor)
+        return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
 
     async def carry_out(self, move: Move) -> None:
         """Copies one KV move, then tells the core it `landed` (or `failed`)."""
