@@ -16,7 +16,6 @@ the `Wiring` between instances; `BlockLedger`; `Lifecycle`; `PrefillCore`; `Batc
 from __future__ import annotations
 
 import logging
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
@@ -378,7 +377,7 @@ class BlockLedger:
         """(used, total) blocks per location kind, summed over instances."""
         out = {loc: (0, 0) for loc in LOCATIONS}
         for name, allocator in self.allocators.items():
-            kind = re.sub(r"\d+$", "", name)
+            kind = name.rstrip("0123456789")
             used, total = out[kind]
             out[kind] = (used + allocator.num_used, total + allocator.num_blocks)
         return out
@@ -437,11 +436,10 @@ class Lifecycle:
                num_prefill_tokens: int = 0, is_mixed: bool = False,
                packed: bool = False) -> None:
         """Records one forward pass; a prefill instance's (`packed` prompts) apart."""
-        lengths = step.lengths
         record = IterationRecord(
-            step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
-            max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
-            lengths if packed else ())
+            step.instance, step.start_time, len(step.seqs), num_prefill_tokens,
+            min(step.lengths), max(step.lengths), forward_time, schedule_time, is_mixed,
+            self.kv.blocks_used(), step.lengths if packed else ())
         if packed:
             self._keep(self.prefill_iterations, record)
         else:
@@ -692,19 +690,16 @@ class BatcherCore(Core):
         staged is delivered), else the first of a new order; None when there is nothing to
         do. A driver may copy for several orders at once (each link queues its own)."""
         while True:
-            for order in self.orders:
-                if order.moving is None:
-                    order.moving = self.next_move(order, now)
-                    if order.moving is not None:
-                        return [order.moving]
-                    self.orders.remove(order)
-                    self.deliver(order, now)
-                    break
-            else:
-                new = self.next_order(now)
-                if new is None:
+            order = next((o for o in self.orders if o.moving is None), None)
+            if order is None:
+                if (order := self.next_order(now)) is None:
                     return None
-                self.orders.append(new)
+                self.orders.append(order)
+            order.moving = self.next_move(order, now)
+            if order.moving is not None:
+                return [order.moving]
+            self.orders.remove(order)
+            self.deliver(order, now)
 
     def _landing(self, move: Move) -> Order:
         order = next(o for o in self.orders if o.moving is move)
@@ -871,8 +866,7 @@ class DecodeCore(Core):
         boundary: a forward may be using their KV)."""
         self.cand_requests = self.life.reap(self.cand_requests, now)
         self.cand_batch = self.life.reap(self.cand_batch, now)
-        if not self.cand_batch:
-            self.ask_for_batch()
+        self.ask_for_batch()
 
     def ask_for_batch(self) -> None:
         if not self.cand_batch and not self.wants_batch:
