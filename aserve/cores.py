@@ -575,11 +575,18 @@ class PrefillCore(Core):
         self.waiting = deque(self.life.reap(list(self.waiting), now))
 
     def step(self, now: float) -> Forward | list[Move] | None:
-        """Prefilled KV goes to the host pool first, one seq at a time; no prefill starts
-        while the pool is full (`pool_space` wakes the driver). Then the next prefill."""
-        if self.blocked and (move := self.next_offload(now)) is not None:
-            return [move]
-        return None if self.blocked or not self.waiting else self.forward(now)
+        """Prefilled KV goes to the host pool first, one seq at a time (aborted ones end
+        here); no prefill starts while the pool is full (`pool_space` wakes the driver).
+        Then the next prefill."""
+        while self.blocked:
+            seq = self.blocked[0]
+            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
+            if move is None and not seq.is_finished:
+                return None
+            self.blocked.popleft()
+            if move is not None:
+                return [move]
+        return self.forward(now) if self.waiting else None
 
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
@@ -623,19 +630,6 @@ class PrefillCore(Core):
         self.life.fail_all((*self.prefilling, *self.blocked), error, now)
         self.prefilling = []
         self.blocked.clear()
-
-    def next_offload(self, now: float) -> Move | None:
-        """The next prefilled seq's move to the host pool; None when there is none or the
-        pool is full (then `pool_space` wakes the driver)."""
-        while self.blocked:
-            seq = self.blocked[0]
-            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
-            if move is None and not seq.is_finished:
-                return None
-            self.blocked.popleft()
-            if move is not None:
-                return move
-        return None
 
     def landed(self, move: Move, now: float) -> None:
         """An offload landed in the pool, or a sample's copy of its prompt's KV (then it
