@@ -4,10 +4,13 @@
 16-column panels (`pack`). On the AVX2 CPU of issue 17 torch's GEMMs at decode shapes
 (64 rows x 768-3072, the 50272-row LM head) reach 0.6-0.8x the rate of a large square
 matmul (oneDNN and MKL alike, benchmarks/RESULTS.md §10); this kernel's 6 x 16 register
-tile (12 accumulators, BLIS's Haswell shape) over K blocks of 256 that stay in L1 reaches
-about that large-matmul rate at 64 rows. Work items are (block of up to 192 rows, panel)
-pairs, handed out to `torch.get_num_threads()` threads by a shared counter; the epilogue
-adds the bias, applies ReLU or adds the residual while the tile is still in cache.
+tile (12 accumulators, BLIS's Haswell shape) over K blocks of 256 that stay in L1 gets
+closer. Work items are (block of up to 192 rows, panel) pairs; the caller and
+`torch.get_num_threads() - 1` helper threads, kept parked between calls, claim them from
+the two ends of the list, so that each walks consecutive panels and prefetches the one it
+takes next. The rows are spread evenly over the register tiles (64 = 9 x 6 + 2 x 5), and
+the last K block adds the bias, applies ReLU or adds the residual while the sums are still
+in registers, writing the output once (RESULTS §10, "Eighth stop").
 
 Optional, as torch's GEMM stays the reference: `linear` returns None when the kernel cannot
 run (no C compiler, not float32 on the CPU), and the caller falls back. Built and cached by
@@ -52,20 +55,41 @@ typedef struct {
     const float *res;    /* [m, n] contiguous, or NULL */
     float *out;          /* [m, n] contiguous */
     int relu;
-    int64_t next;        /* next work item, shared by the workers */
+    int64_t next;        /* the unclaimed work items (see `claim`) */
 } Gemm;
 
-/* c (R x 16, row stride NR) += a (R rows, stride lda) [:, 0:kc] @ b (kc x 16) */
+/* Where a finished tile goes: out (row stride ldo) = tile + bias, then ReLU or + res. */
+typedef struct {
+    float *out;
+    int64_t ldo;
+    const float *bias, *res;  /* at the tile's first column and row, or NULL */
+    int relu;
+} Epi;
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 finish(f32x8 v, int relu, const float *bias, const float *res) {
+    if (bias != NULL) v += ld(bias);
+    if (relu) {  /* max(v, 0) that keeps NaN, as torch */
+        const i32x8 keep = (v > 0.0f) | (v != v);
+        v = (f32x8)((i32x8)v & keep);
+    }
+    return res != NULL ? v + ld(res) : v;
+}
+
+/* c (R x 16, row stride NR) = (first ? 0 : c) + a (R rows, stride lda) [:, 0:kc] @ b (kc x
+   16); with `e` (the last K block), the sums go through `finish` straight into e->out while
+   they are still in registers, instead of back into c. */
 #define MICRO(R)                                                                        \
 static void micro_##R(int64_t kc, const float *a, int64_t lda, const float *b, float *c, \
-                      const char *next, int64_t next_step) {                             \
+                      int first, const Epi *e) {                                        \
     f32x8 c0[R], c1[R];                                                                 \
     _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-        c0[r] = ld(c + r * NR); c1[r] = ld(c + r * NR + 8);                             \
+        c0[r] = first ? (f32x8){0} : ld(c + r * NR);                                    \
+        c1[r] = first ? (f32x8){0} : ld(c + r * NR + 8);                                \
     }                                                                                   \
     _Pragma("GCC unroll 4") for (int64_t p = 0; p < kc; p++) {                          \
         const f32x8 b0 = ld(b + p * NR), b1 = ld(b + p * NR + 8);                       \
-        if (next != NULL) __builtin_prefetch(next + p * next_step, 0, 2);               \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                           \
             const float s = a[r * lda + p];                                             \
             const f32x8 av = {s, s, s, s, s, s, s, s};                                  \
@@ -73,12 +97,19 @@ static void micro_##R(int64_t kc, const float *a, int64_t lda, const float *b, f
         }                                                                               \
     }                                                                                   \
     _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                               \
-        st(c + r * NR, c0[r]); st(c + r * NR + 8, c1[r]);                               \
+        if (e == NULL) {                                                                \
+            st(c + r * NR, c0[r]); st(c + r * NR + 8, c1[r]);                           \
+            continue;                                                                   \
+        }                                                                               \
+        const float *res = e->res ? e->res + r * e->ldo : NULL;                         \
+        st(e->out + r * e->ldo, finish(c0[r], e->relu, e->bias, res));                  \
+        st(e->out + r * e->ldo + 8, finish(c1[r], e->relu, e->bias ? e->bias + 8 : NULL, \
+                                           res ? res + 8 : NULL));                      \
     }                                                                                   \
 }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6)
-typedef void (*micro_fn)(int64_t, const float *, int64_t, const float *, float *,
-                         const char *, int64_t);
+typedef void (*micro_fn)(int64_t, const float *, int64_t, const float *, float *, int,
+                         const Epi *);
 static const micro_fn MICROS[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5,
                                         micro_6};
 
@@ -88,6 +119,7 @@ typedef struct {
     Gemm g;
     int64_t items, done;  /* work items; finished ones */
     int refs;             /* threads still holding the job (the caller included) */
+    int started;          /* threads that joined (the caller first) */
     pthread_mutex_t mu;
     pthread_cond_t finished;
 } Shared;
@@ -100,26 +132,48 @@ static void release(Shared *s) {
     }
 }
 
-static void run(Shared *s) {
+/* The next work item, or -1: g.next holds the unclaimed items [lo, hi) as hi << 32 | lo.
+   Even threads (the caller) claim from the front, odd ones from the back, so that each
+   walks consecutive panels (the one it prefetches comes next) and they meet in the middle
+   whatever each thread's speed. */
+static int64_t claim(Shared *s, int from_back) {
+    uint64_t cur = __atomic_load_n((uint64_t *)&s->g.next, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint32_t lo = (uint32_t)cur, hi = (uint32_t)(cur >> 32);
+        if (lo >= hi) return -1;
+        const uint64_t want = from_back ? (uint64_t)(hi - 1) << 32 | lo
+                                        : (uint64_t)hi << 32 | (lo + 1);
+        if (__atomic_compare_exchange_n((uint64_t *)&s->g.next, &cur, want, 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return from_back ? hi - 1 : lo;
+    }
+}
+
+static void run(Shared *s, int from_back) {
     Gemm *g = &s->g;
     const int64_t panels = (g->n + NR - 1) / NR, k = g->k, n = g->n;
     const int64_t step = NR * (g->w_bf16 ? 2 : 4);  /* bytes of one K row of a panel */
     float tile[MB * NR] __attribute__((aligned(64)));
     float wide[KC * NR] __attribute__((aligned(64)));  /* a bf16 K block, widened */
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
-        if (item >= s->items) return;
+    for (int64_t item; (item = claim(s, from_back)) >= 0;) {
         const int64_t i0 = item / panels * MB, j = item % panels;
-        const int64_t m = g->m - i0 < MB ? g->m - i0 : MB;
+        const int64_t j_next = from_back ? j - 1 : j + 1;  /* the panel it likely takes next */
+        const int64_t m = g->m - i0 < MB ? g->m - i0 : MB, tiles = (m + MR - 1) / MR;
+        const int64_t n0 = j * NR, cols = n - n0 < NR ? n - n0 : NR;
         const float *x = g->x + i0 * g->x_stride;
         const char *wp = (const char *)g->w + j * k * step;
-        memset(tile, 0, sizeof(float) * m * NR);
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
-            /* the first row tile pulls the panel's next K block (or the next panel's first)
-               towards L2 while the weights stream from memory */
-            const char *next = k0 + KC < k ? wp + (k0 + KC) * step
-                               : j + 1 < panels ? wp + k * step : NULL;
+            const int last = k0 + kc == k;
+            /* the weights stream from memory: the panel's next K block (after the last, the
+               first of panel j_next) goes towards L2 meanwhile, each row tile asking for its
+               share of the lines */
+            const char *next = !last ? wp + (k0 + KC) * step
+                               : j_next >= 0 && j_next < panels ? wp + (j_next - j) * k * step
+                               : NULL;
+            const int64_t next_kc = !last ? (k - k0 - KC < KC ? k - k0 - KC : KC)
+                                          : (k < KC ? k : KC);
+            const int64_t lines = next == NULL ? 0 : (next_kc * step + 63) / 64;
             const float *b = (const float *)(wp + k0 * step);
             if (g->w_bf16) {  /* exact: bf16 is float's top half */
                 const uint16_t *h = (const uint16_t *)(wp + k0 * step);
@@ -127,12 +181,19 @@ static void run(Shared *s) {
                 for (int64_t e = 0; e < kc * NR; e++) u[e] = (uint32_t)h[e] << 16;
                 b = wide;
             }
-            for (int64_t i = 0; i < m; i += MR)
-                MICROS[m - i < MR ? m - i : MR](kc, x + i * g->x_stride + k0, g->x_stride, b,
-                                                tile + i * NR, i == 0 ? next : NULL, step);
+            for (int64_t t = 0; t < tiles; t++) {
+                for (int64_t l = lines * t / tiles; l < lines * (t + 1) / tiles; l++)
+                    __builtin_prefetch(next + l * 64, 0, 2);
+                /* rows spread evenly over the tiles (64 = 9 x 6 + 2 x 5, not 10 x 6 + 4) */
+                const int64_t i = t * (m / tiles) + (t < m % tiles ? t : m % tiles);
+                const int64_t rows = m / tiles + (t < m % tiles);
+                const Epi e = {g->out + (i0 + i) * n + n0, n, g->bias ? g->bias + n0 : NULL,
+                               g->res ? g->res + (i0 + i) * n + n0 : NULL, g->relu};
+                MICROS[rows](kc, x + i * g->x_stride + k0, g->x_stride, b, tile + i * NR,
+                             k0 == 0, last && cols == NR ? &e : NULL);
+            }
         }
-        const int64_t n0 = j * NR, cols = n - n0 < NR ? n - n0 : NR;
-        for (int64_t i = 0; i < m; i++) {
+        for (int64_t i = 0; cols < NR && i < m; i++) {  /* a last, partial panel */
             const float *t = tile + i * NR;
             float *o = g->out + (i0 + i) * n + n0;
             const float *r = g->res ? g->res + (i0 + i) * n + n0 : NULL;
@@ -150,10 +211,77 @@ static void run(Shared *s) {
     }
 }
 
+/* Helper threads kept between calls (a thread's start costs about 25 us of CPU here, and a
+   decode step makes ~50 calls), parked on `wake` until a caller posts a job. One job at a
+   time: a caller that finds another's job posted (calls from two threads) works alone. */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    Shared *job;      /* the posted job, or NULL */
+    uint64_t posted;  /* jobs posted so far: a helper joins each at most once */
+    int wanted;       /* helpers the posted job still asks for */
+    int threads;      /* helpers started */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
+
 static void *helper(void *arg) {
-    run(arg);
-    release(arg);
+    (void)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.job == NULL || pool.posted == seen || pool.wanted == 0)
+            pthread_cond_wait(&pool.wake, &pool.mu);
+        Shared *s = pool.job;
+        seen = pool.posted;
+        pool.wanted--;
+        /* the caller holds its reference until it has taken the job back (under pool.mu) */
+        __atomic_add_fetch(&s->refs, 1, __ATOMIC_ACQ_REL);
+        pthread_mutex_unlock(&pool.mu);
+        run(s, __atomic_fetch_add(&s->started, 1, __ATOMIC_RELAXED) % 2);
+        release(s);
+        pthread_mutex_lock(&pool.mu);
+    }
     return NULL;
+}
+
+/* A forked child has none of the parent's helpers (and maybe a lock held by one of them). */
+static void pool_lock(void) { pthread_mutex_lock(&pool.mu); }
+static void pool_unlock(void) { pthread_mutex_unlock(&pool.mu); }
+static void pool_reset(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.job = NULL;
+    pool.wanted = pool.threads = 0;
+}
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(pool_lock, pool_unlock, pool_reset); }
+
+/* Posts `s` for up to `helpers` helper threads (started as needed); returns whether posted. */
+static int post(Shared *s, int helpers) {
+    pthread_once(&pool_once, pool_init);
+    pthread_mutex_lock(&pool.mu);
+    const int posted = pool.job == NULL;
+    if (posted) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        for (pthread_t thread; pool.threads < helpers; pool.threads++)
+            if (pthread_create(&thread, &attr, helper, NULL) != 0) break;  /* fewer helpers */
+        pthread_attr_destroy(&attr);
+        pool.job = s;
+        pool.posted++;
+        pool.wanted = helpers;
+        pthread_cond_broadcast(&pool.wake);
+    }
+    pthread_mutex_unlock(&pool.mu);
+    return posted;
+}
+
+/* Takes the job back: helpers that wake later find nothing to join. */
+static void retract(void) {
+    pthread_mutex_lock(&pool.mu);
+    pool.job = NULL;
+    pool.wanted = 0;
+    pthread_mutex_unlock(&pool.mu);
 }
 
 /* out[0:k] = LayerNorm(x[0:k]): mean, then variance, each summed in 8 float lanes (the
@@ -210,22 +338,15 @@ int gemm(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n, cons
         return -1;
     }
     *s = (Shared){.g = {x, x_stride, m, k, n, w, w_bf16, bias, res, out, relu, 0},
-                  .items = (m + MB - 1) / MB * ((n + NR - 1) / NR), .done = 0, .refs = 1};
+                  .items = (m + MB - 1) / MB * ((n + NR - 1) / NR), .done = 0, .refs = 1,
+                  .started = 1};
+    s->g.next = (int64_t)((uint64_t)s->items << 32);  /* all of [0, items) unclaimed */
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->finished, NULL);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int i = 1; i < num_threads && i < s->items; i++) {
-        pthread_t thread;
-        __atomic_add_fetch(&s->refs, 1, __ATOMIC_ACQ_REL);
-        if (pthread_create(&thread, &attr, helper, s) != 0) {
-            __atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL);
-            break;  /* fewer helpers: the caller does the rest */
-        }
-    }
-    pthread_attr_destroy(&attr);
-    run(s);
+    const int helpers = num_threads - 1 < s->items - 1 ? num_threads - 1 : (int)s->items - 1;
+    const int posted = helpers > 0 && post(s, helpers);
+    run(s, 0);
+    if (posted) retract();
     pthread_mutex_lock(&s->mu);
     while (__atomic_load_n(&s->done, __ATOMIC_ACQUIRE) < s->items)
         pthread_cond_wait(&s->finished, &s->mu);

@@ -6,6 +6,7 @@ counters of its subtree; leaves hold the requests. Pure data structure: no clock
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -249,6 +250,19 @@ class QuadTree:
             assert node._by_length is not None
             for item in node._by_length.irange((lo,), (hi + 1,), inclusive=(True, False)):
                 yield item
+
+    def oldest_first(self, lo: int = 0, hi: int | None = None) -> Iterator[tuple[str, int]]:
+        """``(request_id, num_blocks)`` with ``lo <= length <= hi`` (any length by default),
+        earliest arrival_time first; lazy: a merge of the leaves' arrival orders, so taking
+        k requests costs O(leaves + k log leaves), not a pass over the pool."""
+        top = self.max_len if hi is None else hi
+        leaves = [leaf._by_arrival for leaf in self.root.leaves()
+                  if leaf._by_arrival and leaf.hi > lo and leaf.lo <= top]
+        entries = self._entries
+        for _, request_id in heapq.merge(*leaves):
+            info = entries[request_id][0]
+            if lo <= info.length <= top:
+                yield request_id, info.num_blocks
 
     def _split(self, node: QuadNode) -> None:
         width = (node.hi - node.lo) // NUM_CHILDREN

@@ -24,6 +24,7 @@ from scheduler.batching import (
     oldest_wait,
     plan_admissions,
     plan_evictions,
+    take_in_order,
 )
 from scheduler.cost import GrowingStep, growing_step, mixing_pays
 from scheduler.dfs import density_first_search
@@ -32,6 +33,7 @@ from scheduler.quadtree import QuadNode
 
 NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
+SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
 # NOTE: latency guard (benchmarks/RESULTS.md §12). TPOT counts every wait between two
 # tokens, and an evicted seq waits, in the candidate requests buffer, until blocks for all
 # its KV are free: seconds for a long one on a full decode instance, spread over few tokens.
@@ -162,6 +164,8 @@ class AlignedPolicy(AlignedStrictPolicy):
             return []
         if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
             return self._whole_or_split()
+        if not self.alignment_pays():
+            return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
         candidates = [density_first_search(self.tree, max_blocks, min_requests, max_requests)]
         fork = self._first_fork(root, max_blocks)
         if fork is not None:
@@ -176,6 +180,39 @@ class AlignedPolicy(AlignedStrictPolicy):
             if ids and (not best or self._less_waste(waste, best_waste)):
                 best, best_waste = ids, waste
         return best
+
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float) -> list[str]:
+        """(None while a request starves, as ``aligned-strict``.) Pooled requests in the
+        window, shortest first while they fit; oldest first where ``alignment_pays`` says
+        no (shortest first would leave the long ones for a tail of small batches)."""
+        if self.starving_request(now) is not None or self.alignment_pays():
+            return super().matching(lo, hi, max_blocks, max_requests, now)
+        return take_in_order(self.tree.oldest_first(lo, hi), max_blocks, max_requests)
+
+    def alignment_pays(self) -> bool:
+        """Whether the model charges a batch for its spread of lengths: a full batch of half
+        the pool's shortest and half its longest seqs is predicted slower than one of the
+        same size and the same total KV in equal lengths (padded attention pays for the
+        longest, a per-sequence kernel for its imbalance; a paged or split-K step costs its
+        total work, so there grouping by length cannot pay).
+
+        NOTE: benchmarks/RESULTS.md §16, eighth stop. Where it cannot, density-first search
+        still chose the densest, shortest subtrees and left the longest requests for last:
+        at 70 % short on the 2-core CPU (paged), decode memory holds ~4 of them, and
+        `aligned` ended each run with ~44 decode steps of 1-6 long seqs (3.1 s, against
+        fcfs's 24 and 0.9 s) and a P99 TPOT 1.7x fcfs's. There the pool is served oldest
+        first, as fcfs serves it."""
+        root = self.tree.root
+        if root.num_requests < 2:
+            return False
+        shortest = next(root.requests())[0]
+        longest = next(root.requests(reverse=True))[0]
+        half = max(1, self._slots // 2)
+        middle = (shortest + longest) // 2
+        spread = self.step_time([shortest] * half + [longest] * half)
+        equal = self.step_time([middle] * half + [shortest + longest - middle] * half)
+        return spread > equal * (1 + SPREAD_TOLERANCE)
 
     @staticmethod
     def _first_fork(node: QuadNode, max_blocks: int) -> QuadNode | None:

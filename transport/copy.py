@@ -28,12 +28,13 @@ class CopyEngine:
     staged through pinned host memory only when peer access is unavailable. On the CPU it is a
     plain copy. Build one engine per (src device, dst device) pair and reuse it.
 
-    Every copy gathers the source rows with one `index_select` (a contiguous staging of the
-    moved rows) and scatters them with one `index_copy_`: no Python loop over blocks or layers.
+    On CUDA every copy gathers the source rows with one `index_select` (a contiguous staging
+    of the moved rows) and scatters them with one `index_copy_`: no Python loop over blocks or
+    layers. On the CPU it copies each run of consecutive blocks as one slice (`block_runs`).
     """
 
-    # TEST HOOK: when set, the next `copy` raises RuntimeError with this message after
-    # gathering and before writing anything into dst; the hook then clears itself.
+    # TEST HOOK: when set, the next `copy` raises RuntimeError with this message before
+    # writing anything into dst (on CUDA after gathering); the hook then clears itself.
     fail_next: str | None
 
     def __init__(self, src_device: torch.device | str, dst_device: torch.device | str) -> None:
@@ -93,10 +94,15 @@ class CopyEngine:
         self, src: KVStore, src_ids: list[int], dst: KVStore, dst_ids: list[int]
     ) -> CopyHandle:
         start_time = time.perf_counter()
-        # [num_moved, num_layers, 2, block_size, num_heads, head_dim]
-        rows = src.tensor.index_select(0, torch.tensor(src_ids, dtype=torch.long))
         self.raise_if_armed()
-        dst.tensor.index_copy_(0, torch.tensor(dst_ids, dtype=torch.long), rows)
+        # NOTE: one slice copy per run of blocks consecutive in both stores (a block is one
+        # contiguous row of every layer's K and V), straight from src to dst. The gather into
+        # a fresh tensor and scatter out of it that CUDA uses ran at 0.6 GB/s on a 2-core CPU
+        # against 3-12 GB/s for slices, and every request's KV is copied three times on its
+        # way to decode (benchmarks/RESULTS.md §16, eighth stop).
+        for src_start, dst_start, length in block_runs(src_ids, dst_ids):
+            dst.tensor[dst_start:dst_start + length].copy_(
+                src.tensor[src_start:src_start + length])
         handle = CopyHandle(len(src_ids) * src.geometry.bytes_per_block, len(src_ids), start_time)
         # NOTE: the copy is done, but callbacks still wait for `wait()`/`done()` so that callers
         # follow the same protocol on the CPU as on CUDA (and CPU tests exercise it).
@@ -173,6 +179,20 @@ def move(
         raise
     handle.add_done_callback(lambda: _free_source(src, seq_id))
     return handle
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """`(src start, dst start, length)` of the maximal runs of blocks that are consecutive in
+    both id lists (aligned block for block), in order."""
+    runs: list[tuple[int, int, int]] = []
+    for src_id, dst_id in zip(src_ids, dst_ids):
+        if runs:
+            src_start, dst_start, length = runs[-1]
+            if src_id == src_start + length and dst_id == dst_start + length:
+                runs[-1] = (src_start, dst_start, length + 1)
+                continue
+        runs.append((src_id, dst_id, 1))
+    return runs
 
 
 def device_sync(device: torch.device | str) -> None:

@@ -3,6 +3,10 @@ its fallbacks when it cannot run."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +57,75 @@ def test_linear_reads_strided_rows_and_keeps_nan_through_relu() -> None:
     torch.testing.assert_close(out[[0, 1, 3]].double(),
                                reference(x[[0, 1, 3]], w, None, True, None),
                                rtol=0, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_linear_with_any_number_of_threads_matches_float64(threads: int) -> None:
+    """The kernel's helper threads (kept between calls) split the panels between them; more
+    threads than panels or than cores leaves some idle, never a wrong sum."""
+    g = torch.Generator().manual_seed(threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, k, n in [(64, 768, 768), (3, 40, 16), (200, 96, 33)]:
+            x, w, b = (torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g),
+                       torch.randn(n, generator=g))
+            out = cpu_gemm.linear(x, cpu_gemm.pack(w), n, b, relu=True)
+            assert out is not None
+            torch.testing.assert_close(out.double(), reference(x, w, b, True, None),
+                                       rtol=0, atol=2e-5 * k ** 0.5)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_linear_called_from_several_threads_at_once_matches_float64() -> None:
+    """ctypes lets go of the GIL: calls from two Python threads overlap in the kernel, and
+    one of them finds the helper threads busy with the other's job."""
+    g = torch.Generator().manual_seed(4)
+    cases = []
+    for n in (768, 2304, 80):
+        x, w = torch.randn(64, 768, generator=g), torch.randn(n, 768, generator=g)
+        cases.append((x, cpu_gemm.pack(w), n, reference(x, w, None, False, None)))
+
+    def work(case: tuple) -> float:
+        x, packed, n, expected = case
+        worst = 0.0
+        for _ in range(20):
+            out = cpu_gemm.linear(x, packed, n)
+            assert out is not None
+            worst = max(worst, (out.double() - expected).abs().max().item())
+        return worst
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        errors = list(pool.map(work, cases))
+    assert max(errors) < 2e-5 * 768 ** 0.5
+
+
+def _linear_in_child(queue: multiprocessing.Queue) -> None:
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(512, 256, generator=g)
+    out = cpu_gemm.linear(x, cpu_gemm.pack(w), 512)
+    queue.put(None if out is None else (out.double() - reference(x, w, None, False, None))
+              .abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_linear_works_in_a_forked_child_after_the_parent_used_it() -> None:
+    """A forked child has none of its parent's helper threads (nor their locks): its calls
+    still finish, with the right sums."""
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    assert cpu_gemm.linear(x, cpu_gemm.pack(w), 512) is not None  # the parent's helpers exist
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_linear_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0, "the child hung or failed"
+    error = queue.get(timeout=5)
+    assert error is not None and error < 2e-5 * 256 ** 0.5
 
 
 @needs_kernel

@@ -153,6 +153,44 @@ def test_aligned_takes_a_pool_that_fits_whole_unless_padding_makes_a_split_faste
         assert set(policy.next_batch(max_blocks=400, max_requests=64, now=1.0)) == expected
 
 
+def _mixed_pool(step_time: object) -> tuple[Policy, Policy]:
+    """`aligned` (deciding with ``step_time``) and fcfs over one pool that does not fit a
+    batch: long and short requests interleaved in arrival order."""
+    aligned = get_policy("aligned", PolicyConfig(min_requests=1), step_time)
+    fcfs = get_policy("fcfs", PolicyConfig())
+    for i in range(12):
+        length = 900 + i if i % 3 == 0 else 40 + i
+        seq = SeqView(f"r{i}", length, -(-length // 16), arrival_time=float(i))
+        aligned.add(seq)
+        fcfs.add(seq)
+    return aligned, fcfs
+
+
+def test_aligned_serves_the_pool_oldest_first_where_a_step_costs_its_total_work() -> None:
+    """Under a total-work (split-K, paged) cost no grouping by length pays, so `aligned`
+    takes what fcfs takes, where under a padded cost it groups the short requests."""
+    aligned, fcfs = _mixed_pool(None)
+    assert not aligned.alignment_pays()
+    for max_blocks, max_requests in ((130, 64), (70, 64), (400, 3)):
+        batch = aligned.next_batch(max_blocks=max_blocks, max_requests=max_requests, now=20.0)
+        assert batch == fcfs.next_batch(max_blocks, max_requests, now=20.0)
+    padded, _ = _mixed_pool(padded_step_time)
+    assert padded.alignment_pays()
+    batch = padded.next_batch(max_blocks=130, max_requests=64, now=20.0)
+    assert batch and all(padded.tree.get(seq_id).length < 100 for seq_id in batch)
+
+
+def test_aligned_matches_in_the_window_oldest_first_where_a_step_costs_its_total_work() -> None:
+    aligned, _ = _mixed_pool(None)
+    assert aligned.matching(40, 950, max_blocks=200, max_requests=4, now=20.0) == [
+        "r0", "r1", "r2", "r3"]
+    assert aligned.matching(45, 60, max_blocks=200, max_requests=10, now=20.0) == [
+        "r5", "r7", "r8", "r10", "r11"]
+    padded, _ = _mixed_pool(padded_step_time)  # shortest first, as aligned-strict
+    assert padded.matching(40, 950, max_blocks=200, max_requests=4, now=20.0) == [
+        "r1", "r2", "r4", "r5"]
+
+
 def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
     policy = get_policy("aligned-loose", PolicyConfig())  # the window widened by match_slack
     for seq_id, length in [("x", 90), ("y", 105), ("z", 120), ("w", 200)]:

@@ -70,6 +70,22 @@ def test_range_query_and_oldest_request(ops: list, lo: int, span: int) -> None:
         assert oldest is None
 
 
+@settings(max_examples=100, deadline=None)
+@given(ops=Ops, lo=st.integers(0, MAX_LEN), span=st.integers(0, MAX_LEN))
+def test_oldest_first_is_arrival_order_within_the_range(ops: list, lo: int, span: int) -> None:
+    tree = QuadTree(MAX_LEN, 4)
+    model: dict[str, tuple[int, int, float]] = {}
+    _apply(tree, ops, model)
+    hi = lo + span
+    expected = [(k, v[1]) for v, k in sorted((v, k) for k, v in model.items()
+                                              if lo <= v[0] <= hi)]
+    got = list(tree.oldest_first(lo, hi))
+    assert sorted(got) == sorted(expected)  # the same requests, each once
+    arrivals = [model[k][2] for k, _ in got]
+    assert arrivals == sorted(arrivals)  # oldest first (ties in any order)
+    assert sorted(tree.oldest_first()) == sorted((k, v[1]) for k, v in model.items())
+
+
 def test_membership_and_lookup() -> None:
     tree = QuadTree(1000, 16)
     tree.insert("a", 10, 1, arrival_time=2.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.transport.helpers import fill_seq, make_store, read_seq
-from transport.copy import CopyEngine, device_sync, move
+from transport.copy import CopyEngine, block_runs, device_sync, move
 from transport.kv import KVGeometry, KVStore
 
 CPU = torch.device("cpu")
@@ -35,6 +35,37 @@ def test_move_preserves_the_exact_kv_bytes(
     assert handle.elapsed_time is not None and handle.elapsed_time >= 0
     src.allocator.check_integrity()
     dst.allocator.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("same_store", [False, True])
+def test_copy_of_scattered_blocks_writes_exactly_the_named_rows(
+    geometry: KVGeometry, engine: CopyEngine, seed: int, same_store: bool
+) -> None:
+    """Ids in runs, alone, descending and interleaved (a fragmented store), between two
+    stores or within one (a fork): each dst row gets its src row, every other row keeps
+    its bytes."""
+    src = make_store("pool", geometry, 24)
+    dst = src if same_store else make_store("decode", geometry, 24)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(24, generator=generator).add(1).tolist()
+    if seed % 2:  # runs consecutive in both stores, split where either breaks
+        order = sorted(order[:12]) + order[12:]
+    num_moved = 4 + seed
+    src_ids, dst_ids = order[:num_moved], order[num_moved:2 * num_moved]
+    src_before, dst_before = src.tensor.clone(), dst.tensor.clone()
+    engine.copy(src, src_ids, dst, dst_ids).wait()
+    expected = dst_before.clone()
+    expected[dst_ids] = src_before[src_ids]
+    assert torch.equal(dst.tensor, expected)
+    if not same_store:
+        assert torch.equal(src.tensor, src_before)
+
+
+def test_block_runs_join_ids_consecutive_in_both_lists() -> None:
+    assert block_runs([3, 4, 5, 9, 10, 2], [7, 8, 1, 2, 3, 4]) == [
+        (3, 7, 2), (5, 1, 1), (9, 2, 2), (2, 4, 1)]
+    assert block_runs([], []) == []
 
 
 def test_move_frees_src_exactly_once(geometry: KVGeometry, engine: CopyEngine) -> None:
