@@ -251,12 +251,14 @@ class Wiring:
                 prefill.wake()
 
 
-def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
-    """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
-    its last token (the first comes from prefill), or since arrival before that."""
-    return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
-                   seq.batch_id, seq.token_times[-1] if seq.token_times else None,
-                   seq.num_returns)
+def seq_views(seqs: Iterable[Sequence], kv: BlockLedger) -> tuple[SeqView, ...]:
+    """The policy's view of each of `seqs`, holding the KV blocks of its computed tokens;
+    each has waited since its last token (the first comes from prefill), or since arrival
+    before that."""
+    return tuple(SeqView(s.seq_id, s.num_tokens, kv.blocks_for(s.num_computed_tokens),
+                         s.request.arrival_time, s.batch_id,
+                         s.token_times[-1] if s.token_times else None, s.num_returns)
+                 for s in seqs)
 
 
 def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
@@ -715,13 +717,13 @@ class BatcherCore(Core):
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
         seq.status = SeqStatus.POOLED
         self.seqs[seq.seq_id] = seq
-        self.policy.add(seq_view(seq, self.kv.blocks_for(seq.num_computed_tokens)))
+        self.policy.add(seq_views([seq], self.kv)[0])
         self.pool_changed()
 
     def pool_changed(self) -> None:
-        """The pool gained requests or staging room was freed: windows may match again."""
-        if self.policy.uses_dynamic_prefetch:
-            self.pending.update(self.windows)
+        """The pool gained requests or staging room was freed: windows may match again
+        (only a policy with dynamic prefetch has windows reported)."""
+        self.pending.update(self.windows)
 
     def reap(self, now: float) -> None:
         """Ends the pooled seqs an abort asked to end, freeing their host blocks."""
@@ -737,23 +739,23 @@ class BatcherCore(Core):
         self.pending.add(instance)
 
     def next_order(self, now: float) -> Order | None:
-        """A batch for the first waiting instance the pool can serve, else matching
+        """A batch for the first waiting instance, if the pool can fill one, else matching
         requests for the first window that asks; None when there is nothing to do. An
         instance waits while it `wants_batch` and none is being staged for it (a second
         batch would overwrite the first)."""
         staging = {order.instance for order in self.orders if order.batch_id >= 0}
-        wanting = [i for i, decode in enumerate(self.wiring.decodes)
-                   if decode.core.wants_batch and i not in staging]
-        for instance in wanting:
-            if not self.seqs:
-                break
+        waiting = next((i for i, decode in enumerate(self.wiring.decodes)
+                        if decode.core.wants_batch and i not in staging), None)
+        if waiting is not None and self.seqs:
+            # NOTE: the policy's batch does not depend on the instance (`next_batch` is a
+            # query of the pool), so only the first waiting instance is asked for
             batch = self.sched.max_batch_size
             ids = self.policy.next_batch(self.batch_blocks, batch, now)
             if not ids:  # only requests above the share: give one the whole cache
                 ids = self.policy.next_batch(self.num_decode_blocks, batch, now)
             if ids:
                 self.num_batches += 1
-                return self._take(instance, self.num_batches, ids)
+                return self._take(waiting, self.num_batches, ids)
         while self.pending:
             instance = min(self.pending)
             self.pending.discard(instance)
@@ -765,7 +767,7 @@ class BatcherCore(Core):
     def _match(self, instance: int, now: float) -> Order | None:
         """Pool requests whose length lies in the instance's running window."""
         window = self.windows.get(instance)
-        if window is None or not self.policy.uses_dynamic_prefetch or not self.seqs:
+        if window is None or not self.seqs:
             return None
         room = int(self.kv.free_blocks(f"staging{instance}") * MATCH_STAGING_SHARE)
         room = min(room, window.max_blocks)
@@ -923,15 +925,12 @@ class DecodeCore(Core):
         return growth > self.kv.free_blocks(self.name)
 
     def view(self, now: float) -> BoundaryView:
-        def views(seqs: list[Sequence]) -> tuple:  # type: ignore[type-arg]
-            return tuple(seq_view(s, self.kv.blocks_for(s.num_computed_tokens)) for s in seqs)
-
         return BoundaryView(
-            running=views(self.running), free_blocks=self.kv.free_blocks(self.name),
+            running=seq_views(self.running, self.kv), free_blocks=self.kv.free_blocks(self.name),
             block_size=self.kv.block_size, max_batch_size=self.sched.max_batch_size,
-            candidate_requests=views(self.cand_requests),
-            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
-            now=now)
+            candidate_requests=seq_views(self.cand_requests, self.kv),
+            candidate_batch=seq_views(self.cand_batch, self.kv),
+            current_batch_id=self.current_batch_id, now=now)
 
     def _evict(self, seq: Sequence, now: float) -> list[Move]:
         """Running -> candidate requests buffer, else host pool, else recompute later."""
