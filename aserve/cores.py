@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sortedcontainers import SortedKeyList
@@ -154,11 +153,11 @@ class Core:
                  logprobs: list[float | None], now: float) -> list[Move]:
         """The one path of a forward's outputs, every core's: each seq's computed prefix
         grows by its chunk and a seq that sampled gets its token. A prefill that ended
-        forks its waiting samples (n > 1; unforked ones are submitted again, first in line)
-        first: the token may finish the seq and free the blocks the forks copy from; the
-        seq then takes the core's `prefilled` status. Returns the forks' KV moves, which
-        the driver copies in this order, so a later fork's destination never overwrites an
-        earlier fork's source before it is read."""
+        forks its waiting samples (n > 1, `_fork`) first: the token may finish the seq and
+        free the blocks the forks copy from; the seq then takes the core's `prefilled`
+        status. Returns the forks' KV moves, which the driver copies in this order, so a
+        later fork's destination never overwrites an earlier fork's source before it is
+        read."""
         forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
                                              logprobs):
@@ -168,12 +167,42 @@ class Core:
                 continue  # a prefill chunk that samples nothing yet
             if was_prefill:
                 self.life.event(seq.seq_id, "prefill_end", now)
-                forks += self.life.fork(seq, now, partial(self.submit, front=True))
+                forks += self._fork(seq, now)
             if not seq.is_finished:
                 if was_prefill:
                     seq.status = self.prefilled
                 self.life.append_token(seq, token_id, logprob, now)
         return forks
+
+    def _fork(self, seq: Sequence, now: float) -> list[Move]:
+        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
+        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
+        recomputes to draw its own first token, and a copy of the prompt logprobs. Called
+        when the prefill step's outputs are recorded, before any of the step's first tokens
+        is appended (that may free `seq`'s blocks); the driver copies the returned moves
+        before its instance allocates again, then hands each landed fork to this core.
+
+        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
+        no room for are submitted here again, first in line, to be prefilled on their own.
+        A store raising ends that sample alone.
+        """
+        moves: list[Move] = []
+        unforked: list[Sequence] = []
+        num_cached = seq.num_prompt_tokens - 1
+        for child in self.life.reap(seq.forks, now):
+            child.num_computed_tokens = num_cached
+            move = self.life.reserve(child, seq.location, seq, at=now)
+            if move is not None:
+                child.status = seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
+                moves.append(move)
+            elif not child.is_finished:
+                child.num_computed_tokens = 0
+                unforked.append(child)
+        seq.forks = []
+        for child in reversed(unforked):
+            self.submit(child, front=True)
+        return moves
 
 
 class Driver(Protocol):
@@ -520,37 +549,6 @@ class Lifecycle:
         for seq in seqs:
             self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
 
-    def fork(self, seq: Sequence, at: float,
-             resubmit: Callable[[Sequence], None]) -> list[Move]:
-        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
-        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
-        recomputes to draw its own first token, and a copy of the prompt logprobs. Call
-        when the prefill step's outputs are recorded, before any of the step's first tokens
-        is appended (that may free `seq`'s blocks); the driver copies the returned moves
-        before its instance allocates again, then hands each landed fork to its core.
-
-        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
-        no room for go to `resubmit`, last first, to be prefilled on their own. A store
-        raising ends that sample alone.
-        """
-        moves: list[Move] = []
-        unforked: list[Sequence] = []
-        num_cached = seq.num_prompt_tokens - 1
-        for child in self.reap(seq.forks, at):
-            child.num_computed_tokens = num_cached
-            move = self.reserve(child, seq.location, seq, at=at)
-            if move is not None:
-                child.status = seq.status
-                child.prompt_logprobs[:] = seq.prompt_logprobs
-                moves.append(move)
-            elif not child.is_finished:
-                child.num_computed_tokens = 0
-                unforked.append(child)
-        seq.forks = []
-        for child in reversed(unforked):
-            resubmit(child)
-        return moves
-
 
 # -- prefill --------------------------------------------------------------------------
 # PrefillCore: one prefill instance. Packs waiting prompts under a token budget into one
@@ -756,11 +754,9 @@ class BatcherCore(Core):
             if ids:
                 self.num_batches += 1
                 return self._take(waiting, self.num_batches, ids)
-        while self.pending:
-            instance = min(self.pending)
+        for instance in sorted(self.pending):
             self.pending.discard(instance)
-            order = self._match(instance, now)
-            if order is not None:
+            if (order := self._match(instance, now)) is not None:
                 return order
         return None
 

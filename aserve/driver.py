@@ -115,16 +115,12 @@ class Actor:
             self._decided = 0.0
         elif self.device is None:  # the batcher: orders overlap, as in the simulator
             for move in work:
-                task = asyncio.create_task(self._carry_out_and_wake(move))
+                task = asyncio.create_task(self.carry_out(move))
                 self._copies.add(task)
                 task.add_done_callback(self._copies.discard)
             return
         for move in work:
             await self.carry_out(move)
-
-    async def _carry_out_and_wake(self, move: Move) -> None:
-        await self.carry_out(move)
-        self.wake()  # the core may order the next copy
 
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
@@ -141,13 +137,16 @@ class Actor:
         return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
 
     async def carry_out(self, move: Move) -> None:
-        """Copies one KV move, then tells the core it `landed` (or `failed`)."""
+        """Copies one KV move, tells the core it `landed` (or `failed`), and wakes the actor:
+        the batcher's core may order the next copy (an actor awaiting its copies in `act`
+        steps again anyway)."""
         try:
             await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
             self.core.failed(move, self.record_error(exc), self.ctx.clock())
-            return
-        self.core.landed(move, self.ctx.clock())
+        else:
+            self.core.landed(move, self.ctx.clock())
+        self.wake()
 
 
 class KVSpace(BlockLedger):
