@@ -27,13 +27,13 @@ class SimContext:
     policy: Policy
     record_tokens: bool = True
     loop: EventLoop = field(default_factory=EventLoop)
-    devices: dict[str, Device] = field(default_factory=dict)
     links: dict[str, Device] = field(default_factory=dict)  # a GPU's link timelines
     policy_time: float = 0.0  # real seconds spent deciding (inside the cores), not simulated
     wiring: Wiring = field(default_factory=Wiring)
     kv: BlockLedger = field(init=False)
     life: Lifecycle = field(init=False)
     store_devices: dict[str, str] = field(init=False)  # KV store -> its device
+    devices: dict[str, Device] = field(init=False)  # the compute timeline of each device
     decode_devices: tuple[str, ...] = field(init=False)  # colocated ones without a pool
 
     def __post_init__(self) -> None:
@@ -42,6 +42,7 @@ class SimContext:
                                else cfg.colocated_devices)
         stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg)
         self.store_devices = {name: dev for name, (dev, _) in stores.items()}
+        self.devices = {dev: Device(dev) for dev in self.store_devices.values()}
         sizes = {name: n for name, (_, n) in stores.items()} | {"host": cfg.num_host_blocks}
         self.kv = BlockLedger({name: BlockAllocator(n, cfg.block_size, name)
                                for name, n in sizes.items()}, cfg.block_size)
@@ -54,9 +55,6 @@ class SimContext:
             [s.num_tokens for s, p in zip(step.seqs, prefill) if not p],
             [(s.num_computed_tokens, n)
              for s, n, p in zip(step.seqs, step.num_new_tokens, prefill) if p])
-
-    def device(self, name: str) -> Device:
-        return self.devices.setdefault(name, Device(name))
 
     def transfer(self, move: Move, start: float) -> float:
         """Books `move`'s copy from `start` on its link and returns when it lands. Host moves
@@ -74,7 +72,7 @@ class SimContext:
         else:
             device, name = src, f"{src}->{dst}"
             bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        link = self.links.setdefault(name, Device(name)) if hw.is_gpu else self.device(device)
+        link = self.links.setdefault(name, Device(name)) if hw.is_gpu else self.devices[device]
         num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
         return link.run(start, num_bytes / bandwidth)[1]
 
@@ -86,7 +84,7 @@ class Instance:
 
     def __init__(self, ctx: SimContext, core: Core, device: str | None = None) -> None:
         self.ctx, self.core, self.loop = ctx, core, ctx.loop
-        self.device = ctx.device(device) if device is not None else None
+        self.device = ctx.devices[device] if device is not None else None
         self.is_busy = False
         self._is_woken = False  # a wake is scheduled, or came while busy
         self._decided = 0.0  # real seconds of decisions since the last forward

@@ -83,7 +83,7 @@ def test_link_on_a_cpu_queues_copies_with_its_forwards() -> None:
     """On a CPU the engine copies in the device's thread: a copy waits for the forward
     booked before it, and the next forward waits for the copy."""
     ctx, block = transfer_context("cpu")
-    device = ctx.device("d1")
+    device = ctx.devices["d1"]
     device.run(0.0, 1.0)
     assert ctx.transfer(move("host", "decode0", 10), 0.5) == pytest.approx(1.0 + 10 * block)
     assert device.run(0.0, 1.0) == pytest.approx((1.0 + 10 * block, 2.0 + 10 * block))
