@@ -84,7 +84,7 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
                      deadline: float = math.inf) -> Engine:
     """`load` (by default the workload above) through the engine driver; KV copies take the
     simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
-    engine = Engine(config, CostRunner.factory(cost, sim_ctx.device))
+    engine = Engine(config, CostRunner.factory(cost, sim_ctx.devices))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
