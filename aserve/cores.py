@@ -188,9 +188,8 @@ class Core:
         """
         moves: list[Move] = []
         unforked: list[Sequence] = []
-        num_cached = seq.num_prompt_tokens - 1
         for child in self.life.reap(seq.forks, now):
-            child.num_computed_tokens = num_cached
+            child.num_computed_tokens = seq.num_prompt_tokens - 1  # all but the last token
             move = self.life.reserve(child, seq.location, seq, at=now)
             if move is not None:
                 child.status = seq.status
@@ -240,18 +239,17 @@ class Wiring:
         uses no pool; else prefill instances, the batcher and decode instances) over the
         driver's context `ctx` (see `Core`; its `config` is the engine's EngineConfig or the
         simulator's cluster, which names the prefill devices), each in its driver
-        `drive(core, device)` (no device for the batcher), and starts them (each decode
-        instance asks for its first batch)."""
-        if not ctx.policy.uses_pool:
-            self.decodes = [drive(ColocatedCore(ctx, j), dev)
-                            for j, dev in enumerate(decode_devices)]
-            return
-        self.prefills = [drive(PrefillCore(ctx, i), dev)
-                         for i, dev in enumerate(ctx.config.prefill_devices)]
-        self.batcher = drive(BatcherCore(ctx), None)
-        self.decodes = [drive(DecodeCore(ctx, j), dev) for j, dev in enumerate(decode_devices)]
-        for decode in self.decodes:
-            decode.core.ask_for_batch()
+        `drive(core, device)` (no device for the batcher), and starts them (the batcher is
+        woken for the decode instances' first batches)."""
+        pool = ctx.policy.uses_pool
+        if pool:
+            self.prefills = [drive(PrefillCore(ctx, i), dev)
+                             for i, dev in enumerate(ctx.config.prefill_devices)]
+            self.batcher = drive(BatcherCore(ctx), None)
+        core = DecodeCore if pool else ColocatedCore
+        self.decodes = [drive(core(ctx, j), dev) for j, dev in enumerate(decode_devices)]
+        if self.batcher is not None:
+            self.batcher.wake()  # every decode instance starts out wanting a batch
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new request (or one to prefill again, `front` first in line) goes to the
@@ -794,8 +792,7 @@ class BatcherCore(Core):
         """The next prefetch (host -> staging) of `order`; None when it is all staged. A
         seq the staging buffer cannot take stays in the host pool and is copied straight to
         the decode device when admitted (also the `aligned-noprefetch` path)."""
-        while order.index < len(order.seqs):
-            seq = order.seqs[order.index]
+        for seq in order.seqs[order.index:]:
             order.index += 1
             if self.policy.uses_staging and seq.seq_id not in self.life.finish_requests:
                 move = self.life.reserve(seq, f"staging{order.instance}", at=now)
@@ -837,7 +834,7 @@ class DecodeCore(Core):
         self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
         self.cand_batch: list[Sequence] = []
         self.cand_batch_id = self.current_batch_id = -1
-        self.wants_batch = False
+        self.wants_batch = True  # a batch was asked for (the first: `Wiring.connect`)
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
@@ -915,9 +912,8 @@ class DecodeCore(Core):
         """
         if self.cand_requests or self.cand_batch:
             return True
-        growth = sum(1 for s in self.running
-                     if self.kv.blocks_for(s.num_tokens) > self.kv.blocks_for(
-                         s.num_computed_tokens))
+        growth = sum(self.kv.blocks_for(s.num_tokens) - self.kv.blocks_for(s.num_computed_tokens)
+                     for s in self.running)  # blocks the next step adds
         return growth > self.kv.free_blocks(self.name)
 
     def view(self, now: float) -> BoundaryView:
@@ -1004,9 +1000,8 @@ class DecodeCore(Core):
         running, returns [] (wait for the batcher)."""
         runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
-            if not self.running:
-                return []
-            return self._evict(max(self.running, key=lambda s: s.num_tokens), now)
+            longest = max(self.running, key=lambda s: s.num_tokens, default=None)
+            return self._evict(longest, now) if longest else []
         self._report_window(runnable)
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)
@@ -1091,20 +1086,18 @@ class ColocatedCore(Core):
         by_id = {s.seq_id: s for s in (*self.running, *head)}
         for seq_id in plan.preempt:
             self._preempt(by_id[seq_id], now)
-        seqs, num_new_tokens = [], []
-        for seq_id, num_new in plan.scheduled:
-            seq = by_id[seq_id]
+        seqs = [by_id[seq_id] for seq_id, _ in plan.scheduled]
+        num_new_tokens = [num_new for _, num_new in plan.scheduled]
+        for seq, num_new in zip(seqs, num_new_tokens):
             end = seq.num_computed_tokens + num_new
             ok = (self.kv.grow(seq, end) if seq.location
                   else self.kv.allocate(seq, self.name, end))
-            assert ok, f"scheduler over-committed blocks for {seq_id}"
+            assert ok, f"scheduler over-committed blocks for {seq.seq_id}"
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SeqStatus.PREFILLING
-                self.life.event(seq_id, "prefill_start", now)
-            seqs.append(seq)
-            num_new_tokens.append(num_new)
+                self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, seqs, num_new_tokens, now) if seqs else None
 
     def _preempt(self, seq: Sequence, now: float) -> None:

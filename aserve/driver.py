@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -126,8 +125,7 @@ class Actor:
         """Logs an exception caught at the actor's boundary and returns its message."""
         self.num_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        logger.error("%s failed: %s\n%s", self.name, self.last_error,
-                     "".join(traceback.format_exception(exc)))
+        logger.error("%s failed: %s", self.name, self.last_error, exc_info=exc)
         return self.last_error
 
     async def forward(self, step: Forward) -> StepResult:
@@ -200,19 +198,16 @@ class KVSpace(BlockLedger):
         """Copies a reserved move's KV and commits it. If the copy fails the error
         propagates with nothing committed (the caller cancels the move)."""
         src_ids, dst_ids = self.tables(move)
+        engine, src, dst = (self.copy_engine(move.src, move.dst), self.stores[move.src],
+                            self.stores[move.dst])
         start = clock()
         await asyncio.get_running_loop().run_in_executor(
-            self.executor(move.src, move.dst), _copy, self.copy_engine(move.src, move.dst),
-            self.stores[move.src], src_ids, self.stores[move.dst], dst_ids)
+            self.executor(move.src, move.dst),
+            lambda: engine.copy(src, src_ids, dst, dst_ids).wait())
         self.commit(move, start, clock())
 
     def shutdown(self) -> None:
         self.copy_executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _copy(engine: CopyEngine, src: KVStore, src_ids: list[int], dst: KVStore,
-          dst_ids: list[int]) -> None:
-    engine.copy(src, src_ids, dst, dst_ids).wait()
 
 
 def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:

@@ -150,8 +150,7 @@ class Instance:
     def _finish(self, step: Forward, duration: float) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no
         logprobs."""
-        tokens = [0 if s.num_computed_tokens + n == s.num_tokens else None
-                  for s, n in zip(step.seqs, step.num_new_tokens)]
+        tokens = [0 if end == s.num_tokens else None for s, end in zip(step.seqs, step.lengths)]
         forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now,
                                  duration, self._decided)
         self._decided = 0.0

@@ -61,11 +61,10 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     policy = get_policy(system, PolicyConfig.of(config.scheduler, tree_range(
         max(MIN_TREE_RANGE, longest + 1))), cost.iteration_time)
     ctx = SimContext(config, cost, policy, record_tokens)
-    for req in workload.requests:
-        ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
-                          f"request {req.request_id!r}")
     ctx.wiring.connect(partial(Instance, ctx), ctx, ctx.decode_devices)
     for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
+        ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
+                          f"request {req.request_id!r}")
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                           arrival_time=at)
