@@ -26,6 +26,9 @@ from tests.cores.cost_runner import CostRunner
 
 TOLERANCE = 1e-6  # seconds; both drivers compute the same sums on the same clock
 ABORTS = {"s12": 0.09, "s24": 0.14, "s60": 0.3}  # decoding, pooled, just arrived
+# NOTE: low enough that starvation control changes decisions of every policy that has it
+# here (at 0.3 only aligned-strict's): dropping the rule from one driver must show
+STARVATION_THRESHOLD = 0.1  # seconds
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -148,7 +151,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
     if headroom is not None:
         monkeypatch.setattr(throughput, "HEADROOM_STEPS", headroom)
     cost = cost_model()
-    config = engine_config(policy)
+    config = engine_config(policy, STARVATION_THRESHOLD)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe)
@@ -173,6 +176,10 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
         assert "evicted" in kinds
     if policy != "continuous":  # a batch switch mixed two batches
         assert any(mixed for *_, mixed in engine_side[1])
+    if policy.startswith("aligned"):  # the workload exercises starvation control
+        without = simulate(workload(), policy, cluster.replace(starvation_threshold=None), cost,
+                           aborts=ABORTS)
+        assert decisions(without.events, without.iterations, without.transfers) != sim_side
     aborted = {seq_id for seq_id, _ in ABORTS.items()
                if len([e for e in engine.events if e.seq_id == seq_id and e.kind == "token"])
                < next(r.output_len for r in workload().requests if r.request_id == seq_id) - 1}
