@@ -16,13 +16,11 @@ the `Wiring` between instances; `BlockLedger`; `Lifecycle`; `PrefillCore`; `Batc
 from __future__ import annotations
 
 import logging
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sortedcontainers import SortedKeyList
 
@@ -45,6 +43,9 @@ from scheduler import (
     ceil_div,
 )
 from transport.blocks import BlockAllocator
+
+if TYPE_CHECKING:
+    from aserve.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 LOCATIONS = ("prefill", "staging", "host", "decode")
@@ -100,18 +101,40 @@ class Core:
     or `failed`), or None (nothing until the driver is woken); `fail` ends what the core
     held when the driver's step raised."""
 
-    name: str
-    life: Lifecycle
     waiting: Any  # an entry core's queue (prefill, colocated)
     running: list[Sequence]  # a decode (or colocated) core's running batch
+    current_batch_id = -1  # a decode core's running batch (its iterations may mix two)
+    prefilled = SeqStatus.PREFILLING  # a seq's status once its prefill has ended here
+
+    def __init__(self, ctx: Any, name: str, index: int = 0) -> None:
+        """`ctx`: what the cores of one engine (or simulated cluster) share, the driver's
+        context: `policy`, `kv` (a BlockLedger), `life`, `wiring`, `config.scheduler`."""
+        self.name, self.index = name, index
+        self.policy: Policy = ctx.policy
+        self.kv: BlockLedger = ctx.kv
+        self.life: Lifecycle = ctx.life
+        self.wiring: Wiring = ctx.wiring
+        self.sched: SchedulerConfig = ctx.config.scheduler  # budgets and knobs
 
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
 
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        raise NotImplementedError  # an entry core's (prefill, colocated)
+
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
                schedule_time: float) -> list[Move]:
-        raise NotImplementedError
+        """The forward ran (a decode or colocated step; prefill records first): outputs
+        advance, the step is recorded, finished seqs leave the running batch. Returns the
+        KV copies of samples forked from prompts whose prefill ended (`_advance`)."""
+        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
+                          if s.status == SeqStatus.PREFILLING)
+        forks = self._advance(step, token_ids, logprobs, now)
+        self.life.record(step, forward_time, schedule_time, num_prefill, is_mixed=len(
+            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
+        self.running = [s for s in self.running if not s.is_finished]
+        return forks
 
     def landed(self, move: Move, now: float) -> None:
         raise NotImplementedError
@@ -127,14 +150,14 @@ class Core:
         self.running = []
 
     def _advance(self, step: Forward, token_ids: list[int | None],
-                 logprobs: list[float | None], now: float,
-                 resubmit: Callable[[Sequence], None]) -> list[Move]:
+                 logprobs: list[float | None], now: float) -> list[Move]:
         """The one path of a forward's outputs, every core's: each seq's computed prefix
         grows by its chunk and a seq that sampled gets its token. A prefill that ended
-        forks its waiting samples (n > 1; unforked ones go to `resubmit`) first: the token
-        may finish the seq and free the blocks the forks copy from. Returns the forks'
-        KV moves, which the driver copies in this order, so a later fork's destination
-        never overwrites an earlier fork's source before it is read."""
+        forks its waiting samples (n > 1, `_fork`) first: the token may finish the seq and
+        free the blocks the forks copy from; the seq then takes the core's `prefilled`
+        status. Returns the forks' KV moves, which the driver copies in this order, so a
+        later fork's destination never overwrites an earlier fork's source before it is
+        read."""
         forks: list[Move] = []
         for seq, n, token_id, logprob in zip(step.seqs, step.num_new_tokens, token_ids,
                                              logprobs):
@@ -144,10 +167,41 @@ class Core:
                 continue  # a prefill chunk that samples nothing yet
             if was_prefill:
                 self.life.event(seq.seq_id, "prefill_end", now)
-                forks += self.life.fork(seq, now, resubmit)
+                forks += self._fork(seq, now)
             if not seq.is_finished:
+                if was_prefill:
+                    seq.status = self.prefilled
                 self.life.append_token(seq, token_id, logprob, now)
         return forks
+
+    def _fork(self, seq: Sequence, now: float) -> list[Move]:
+        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
+        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
+        recomputes to draw its own first token, and a copy of the prompt logprobs. Called
+        when the prefill step's outputs are recorded, before any of the step's first tokens
+        is appended (that may free `seq`'s blocks); the driver copies the returned moves
+        before its instance allocates again, then hands each landed fork to this core.
+
+        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
+        no room for are submitted here again, first in line, to be prefilled on their own.
+        A store raising ends that sample alone.
+        """
+        moves: list[Move] = []
+        unforked: list[Sequence] = []
+        for child in self.life.reap(seq.forks, now):
+            child.num_computed_tokens = seq.num_prompt_tokens - 1  # all but the last token
+            move = self.life.reserve(child, seq.location, seq, at=now)
+            if move is not None:
+                child.status = seq.status
+                child.prompt_logprobs[:] = seq.prompt_logprobs
+                moves.append(move)
+            elif not child.is_finished:
+                child.num_computed_tokens = 0
+                unforked.append(child)
+        seq.forks = []
+        for child in reversed(unforked):
+            self.submit(child, front=True)
+        return moves
 
 
 class Driver(Protocol):
@@ -170,39 +224,32 @@ class Wiring:
 
     @property
     def drivers(self) -> list[Driver]:
-        batcher = [self.batcher] if self.batcher is not None else []
-        return [*self.prefills, *batcher, *self.decodes]
+        return [*self.prefills, *filter(None, [self.batcher]), *self.decodes]
 
-    def _to_batcher(self, call: Callable[[Any], None]) -> None:
+    def to_batcher(self, call: Callable[[BatcherCore], object] = lambda core: None) -> None:
+        """Tells the batcher (`call` on its core at once) and wakes it: a seq pooled, a
+        decode instance wanting a batch (no call), a window reported, staging room freed."""
         assert self.batcher is not None, "the disaggregated cluster has a batcher"
         call(self.batcher.core)
         self.batcher.wake()
 
     def connect(self, drive: Callable[[Core, str | None], Driver], ctx: Any,
-                decode_devices: Sequence_[str]) -> list[Driver]:
+                decode_devices: Sequence_[str]) -> None:
         """Builds the cores of `ctx.policy` (one colocated instance per decode device if it
-        uses no pool; else prefill instances, the batcher and decode instances), over the
-        context's `kv` and `life`, with its `config`'s SchedulerConfig and prefill devices
-        (the engine's EngineConfig, or the simulator's cluster), each in its driver
-        `drive(core, device)` (no device for the batcher); starts them (each decode instance
-        asks for its first batch) and returns the drivers."""
-        policy, kv, life, sched = ctx.policy, ctx.kv, ctx.life, ctx.config.scheduler
-        batch = sched.max_batch_size
-        if not policy.uses_pool:
-            self.decodes = [drive(ColocatedCore(j, kv, life, ContinuousScheduler(
-                sched.max_prefill_tokens, batch, kv.block_size)), dev)
-                for j, dev in enumerate(decode_devices)]
-            return self.drivers
-        num_blocks = kv.allocators["decode0"].num_blocks
-        self.prefills = [drive(PrefillCore(i, kv, life, self, sched.max_prefill_tokens), dev)
-                         for i, dev in enumerate(ctx.config.prefill_devices)]
-        self.batcher = drive(BatcherCore(policy, kv, life, self, num_blocks,
-                                         sched.batch_kv_fraction, batch), None)
-        self.decodes = [drive(DecodeCore(j, policy, kv, life, self, batch), dev)
-                        for j, dev in enumerate(decode_devices)]
-        for decode in self.decodes:
-            decode.core.ask_for_batch()
-        return self.drivers
+        uses no pool; else prefill instances, the batcher and decode instances) over the
+        driver's context `ctx` (see `Core`; its `config` is the engine's EngineConfig or the
+        simulator's cluster, which names the prefill devices), each in its driver
+        `drive(core, device)` (no device for the batcher), and starts them (the batcher is
+        woken for the decode instances' first batches)."""
+        pool = ctx.policy.uses_pool
+        if pool:
+            self.prefills = [drive(PrefillCore(ctx, i), dev)
+                             for i, dev in enumerate(ctx.config.prefill_devices)]
+            self.batcher = drive(BatcherCore(ctx), None)
+        core = DecodeCore if pool else ColocatedCore
+        self.decodes = [drive(core(ctx, j), dev) for j, dev in enumerate(decode_devices)]
+        if self.batcher is not None:
+            self.batcher.wake()  # every decode instance starts out wanting a batch
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         """A new request (or one to prefill again, `front` first in line) goes to the
@@ -218,18 +265,6 @@ class Wiring:
         for driver in self.drivers:
             driver.core.reap(now)
 
-    def pooled(self, seq: Sequence) -> None:
-        """`seq`'s KV landed in the host pool: the batcher indexes it."""
-        self._to_batcher(lambda core: core.add(seq))
-
-    def want_batch(self) -> None:
-        """A decode instance's candidate batch buffer is empty (its `wants_batch`)."""
-        self._to_batcher(lambda core: None)
-
-    def report_window(self, instance: int, window: Window) -> None:
-        """Decode instance `instance`'s running length window changed."""
-        self._to_batcher(lambda core: core.report_window(instance, window))
-
     def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
         """Staged seqs for decode instance `instance`: a candidate batch, or candidate
         requests when `batch_id` < 0."""
@@ -242,17 +277,15 @@ class Wiring:
             if prefill.core.blocked:
                 prefill.wake()
 
-    def staging_space(self) -> None:
-        """Staging blocks were freed: the batcher may stage more."""
-        self._to_batcher(lambda core: core.pool_changed())
 
-
-def seq_view(seq: Sequence, num_blocks: int) -> SeqView:
-    """The policy's view of a sequence holding `num_blocks` KV blocks; it has waited since
-    its last token (the first comes from prefill), or since arrival before that."""
-    return SeqView(seq.seq_id, seq.num_tokens, num_blocks, seq.request.arrival_time,
-                   seq.batch_id, seq.token_times[-1] if seq.token_times else None,
-                   seq.num_returns)
+def seq_views(seqs: Iterable[Sequence], kv: BlockLedger) -> tuple[SeqView, ...]:
+    """The policy's view of each of `seqs`, holding the KV blocks of its computed tokens;
+    each has waited since its last token (the first comes from prefill), or since arrival
+    before that."""
+    return tuple(SeqView(s.seq_id, s.num_tokens, kv.blocks_for(s.num_computed_tokens),
+                         s.request.arrival_time, s.batch_id,
+                         s.token_times[-1] if s.token_times else None, s.num_returns)
+                 for s in seqs)
 
 
 def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
@@ -313,24 +346,22 @@ class BlockLedger:
             self.allocators[seq.location].free(seq.seq_id)
             seq.location = ""
 
-    def reserve(self, seq: Sequence, dst: str) -> Move | None:
+    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None) -> Move | None:
         """Allocates room for `seq`'s KV (its `num_computed_tokens` entries) in store `dst`;
-        None (nothing changed) when `dst` is full. The source keeps the KV until `commit`."""
-        assert seq.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
-        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
-        return None if dst_ids is None else Move(seq, seq.location, dst, len(dst_ids))
+        None (nothing changed) when `dst` is full. The source keeps the KV until `commit`.
 
-    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> Move | None:
-        """Gives `child` blocks in `parent`'s store for a copy of the parent's first
-        `num_tokens` KV entries (n samples of one prompt share its prefill); None (nothing
-        changed) when the store is full. The move's source ids are taken now: the driver
-        copies before anything allocates in that store again, even if the parent has
-        finished (and freed its blocks) meanwhile."""
-        if not self.allocate(child, parent.location, max(num_tokens, 1)):
+        With `parent` (a fork: n samples of one prompt share its prefill), `seq` holds no KV
+        yet and gets a copy of the parent's first entries in the parent's store, `dst`. The
+        move's source ids are taken now: the driver copies before anything allocates in
+        that store again, even if the parent has finished (and freed its blocks) meanwhile.
+        """
+        source = parent or seq
+        assert source.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
+        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
+        if dst_ids is None:
             return None
-        num_blocks = len(self.table(child))
-        src_ids = tuple(self.table(parent)[:num_blocks])
-        return Move(child, parent.location, parent.location, num_blocks, src_ids)
+        src_ids = tuple(self.table(parent)[:len(dst_ids)]) if parent else None
+        return Move(seq, source.location, dst, len(dst_ids), src_ids)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of `move`, aligned block for block."""
@@ -351,9 +382,6 @@ class BlockLedger:
     def cancel(self, move: Move) -> None:
         """The copy failed: the destination blocks are freed, the source keeps the KV (a
         fork then holds none)."""
-        if move.src_ids is not None:
-            self.release(move.seq)
-            return
         self.allocators[move.dst].free(move.seq.seq_id)
 
     def limits(self, uses_pool: bool) -> dict[str, int]:
@@ -378,7 +406,7 @@ class BlockLedger:
         """(used, total) blocks per location kind, summed over instances."""
         out = {loc: (0, 0) for loc in LOCATIONS}
         for name, allocator in self.allocators.items():
-            kind = re.sub(r"\d+$", "", name)
+            kind = name.rstrip("0123456789")
             used, total = out[kind]
             out[kind] = (used + allocator.num_used, total + allocator.num_blocks)
         return out
@@ -414,7 +442,7 @@ class Lifecycle:
         self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
-        self.on_finish: Callable[[Sequence], None] | None = None  # the driver's bookkeeping
+        self.on_finish: Callable[[Sequence], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
 
     def _keep(self, trace: list[Any], item: object) -> int:
@@ -437,11 +465,10 @@ class Lifecycle:
                num_prefill_tokens: int = 0, is_mixed: bool = False,
                packed: bool = False) -> None:
         """Records one forward pass; a prefill instance's (`packed` prompts) apart."""
-        lengths = step.lengths
         record = IterationRecord(
-            step.instance, step.start_time, len(step.seqs), num_prefill_tokens, min(lengths),
-            max(lengths), forward_time, schedule_time, is_mixed, self.kv.blocks_used(),
-            lengths if packed else ())
+            step.instance, step.start_time, len(step.seqs), num_prefill_tokens,
+            min(step.lengths), max(step.lengths), forward_time, schedule_time, is_mixed,
+            self.kv.blocks_used(), step.lengths if packed else ())
         if packed:
             self._keep(self.prefill_iterations, record)
         else:
@@ -450,7 +477,8 @@ class Lifecycle:
     def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
                      at: float) -> None:
         """Appends one sampled token, records its event, streams it, and finishes the
-        sequence if a stop condition holds."""
+        sequence if a stop condition holds (a stop token or EOS once `min_tokens` are out,
+        else `max_tokens`)."""
         first = seq.num_output_tokens == 0
         seq.append_token(token_id, at, logprob if seq.sampling.logprobs else None)
         if first:
@@ -458,10 +486,14 @@ class Lifecycle:
         elif self.record_tokens:
             self.event(seq.seq_id, "token", at)
         lp = (logprob,) if seq.sampling.logprobs and logprob is not None else ()
-        self._put(seq, StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
-        status = stop_status(seq, self.eos_token_id)
-        if status is not None:
-            self.finish(seq, status, at=at)
+        if (queue := self.queues.get(seq.seq_id)) is not None:
+            queue.put_nowait(StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
+        params = seq.sampling
+        if seq.num_output_tokens >= params.min_tokens and (token_id in params.stop_token_ids or (
+                token_id == self.eos_token_id and not params.ignore_eos)):
+            self.finish(seq, SeqStatus.FINISHED_STOPPED, at=at)
+        elif seq.num_output_tokens >= params.max_tokens:
+            self.finish(seq, SeqStatus.FINISHED_LENGTH, at=at)
 
     def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
         """Asks for `seq_id` to end; the core that holds it finishes it at its next safe
@@ -495,21 +527,16 @@ class Lifecycle:
         seq.forks = []
         self.event(seq.seq_id, "finish", at)
         self.finish_requests.pop(seq.seq_id, None)
-        self._put(seq, StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
-        self.queues.pop(seq.seq_id, None)
-        if self.on_finish is not None:
-            self.on_finish(seq)
+        if (queue := self.queues.pop(seq.seq_id, None)) is not None:
+            queue.put_nowait(StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
+        self.on_finish(seq)
 
-    def reserve(self, seq: Sequence, dst: str, *, at: float) -> Move | None:
+    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None, *,
+                at: float) -> Move | None:
         """`BlockLedger.reserve`, except that a store refusing the allocation by raising
         ends `seq` alone with an error (check `seq.is_finished` after None)."""
-        return self._guarded(seq, partial(self.kv.reserve, seq, dst), at)
-
-    def _guarded(self, seq: Sequence, allocate: Callable[[], Move | None],
-                 at: float) -> Move | None:
-        """`allocate()`; a store raising ends `seq` alone with an error (None)."""
         try:
-            return allocate()
+            return self.kv.reserve(seq, dst, parent)
         except Exception as exc:  # a store's failure is this seq's, not the instance's
             logger.exception("allocating KV for %s failed", seq.seq_id)
             self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
@@ -519,52 +546,6 @@ class Lifecycle:
         """Ends each of `seqs` with `error` (a failed forward, copy or store)."""
         for seq in seqs:
             self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
-
-    def fork(self, seq: Sequence, at: float,
-             resubmit: Callable[[Sequence], None]) -> list[Move]:
-        """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
-        blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
-        recomputes to draw its own first token, and a copy of the prompt logprobs. Call
-        when the prefill step's outputs are recorded, before any of the step's first tokens
-        is appended (that may free `seq`'s blocks); the driver copies the returned moves
-        before its instance allocates again, then hands each landed fork to its core.
-
-        Returns the forks' KV moves, each fork in `seq`'s status. The samples the store had
-        no room for go to `resubmit`, last first, to be prefilled on their own. A store
-        raising ends that sample alone.
-        """
-        moves: list[Move] = []
-        unforked: list[Sequence] = []
-        num_cached = seq.num_prompt_tokens - 1
-        for child in self.reap(seq.forks, at):
-            move = self._guarded(child, partial(self.kv.fork, seq, child, num_cached), at)
-            if move is not None:
-                child.num_computed_tokens, child.status = num_cached, seq.status
-                child.prompt_logprobs[:] = seq.prompt_logprobs
-                moves.append(move)
-            elif not child.is_finished:
-                unforked.append(child)
-        seq.forks = []
-        for child in reversed(unforked):
-            resubmit(child)
-        return moves
-
-    def _put(self, seq: Sequence, out: StepOutput) -> None:
-        queue = self.queues.get(seq.seq_id)
-        if queue is not None:
-            queue.put_nowait(out)
-
-
-def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
-    """The finished state `seq` has reached after its newest token, if any."""
-    params = seq.sampling
-    last = seq.token_ids[-1]
-    if seq.num_output_tokens >= params.min_tokens:
-        if last in params.stop_token_ids or (last == eos_token_id and not params.ignore_eos):
-            return SeqStatus.FINISHED_STOPPED
-    if seq.num_output_tokens >= params.max_tokens:
-        return SeqStatus.FINISHED_LENGTH
-    return None
 
 
 # -- prefill --------------------------------------------------------------------------
@@ -576,11 +557,8 @@ def stop_status(seq: Sequence, eos_token_id: int) -> SeqStatus | None:
 class PrefillCore(Core):
     """A waiting queue, a scratch KV store, and the prefilled seqs waiting for the pool."""
 
-    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
-                 max_prefill_tokens: int) -> None:
-        self.index, self.name = index, f"prefill{index}"
-        self.kv, self.life, self.wiring = kv, life, wiring
-        self.max_prefill_tokens = max_prefill_tokens
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"prefill{index}", index)
         self.waiting: deque[Sequence] = deque()
         self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
         self.prefilling: list[Sequence] = []  # the forward in flight
@@ -595,16 +573,23 @@ class PrefillCore(Core):
         self.waiting = deque(self.life.reap(list(self.waiting), now))
 
     def step(self, now: float) -> Forward | list[Move] | None:
-        """Prefilled KV goes to the host pool first, one seq at a time; no prefill starts
-        while the pool is full (`pool_space` wakes the driver). Then the next prefill."""
-        if self.blocked and (move := self.next_offload(now)) is not None:
-            return [move]
-        return None if self.blocked or not self.waiting else self.forward(now)
+        """Prefilled KV goes to the host pool first, one seq at a time (aborted ones end
+        here); no prefill starts while the pool is full (`pool_space` wakes the driver).
+        Then the next prefill."""
+        while self.blocked:
+            seq = self.blocked[0]
+            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
+            if move is None and not seq.is_finished:
+                return None
+            self.blocked.popleft()
+            if move is not None:
+                return [move]
+        return self.forward(now) if self.waiting else None
 
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
         self.reap(now)
-        budget = self.max_prefill_tokens
+        budget = self.sched.max_prefill_tokens
         batch: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
@@ -634,7 +619,7 @@ class PrefillCore(Core):
         self.prefilling = []
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
-        forks = self._advance(step, token_ids, logprobs, now, partial(self.submit, front=True))
+        forks = self._advance(step, token_ids, logprobs, now)
         self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
         return forks
 
@@ -644,19 +629,6 @@ class PrefillCore(Core):
         self.prefilling = []
         self.blocked.clear()
 
-    def next_offload(self, now: float) -> Move | None:
-        """The next prefilled seq's move to the host pool; None when there is none or the
-        pool is full (then `pool_space` wakes the driver)."""
-        while self.blocked:
-            seq = self.blocked[0]
-            move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
-            if move is None and not seq.is_finished:
-                return None
-            self.blocked.popleft()
-            if move is not None:
-                return move
-        return None
-
     def landed(self, move: Move, now: float) -> None:
         """An offload landed in the pool, or a sample's copy of its prompt's KV (then it
         waits to be offloaded too)."""
@@ -665,7 +637,7 @@ class PrefillCore(Core):
             self.blocked.append(seq)
             return
         self.life.event(seq.seq_id, "pooled", now)
-        self.wiring.pooled(seq)
+        self.wiring.to_batcher(lambda batcher: batcher.add(seq))
 
 
 # -- batcher --------------------------------------------------------------------------
@@ -692,20 +664,14 @@ class Order:
 class BatcherCore(Core):
     """Pooled seqs, the decode instances waiting for a batch, and their running windows."""
 
-    name = "batcher"
-
-    def __init__(self, policy: Policy, kv: BlockLedger, life: Lifecycle, wiring: Wiring,
-                 num_decode_blocks: int, batch_kv_fraction: float,
-                 max_batch_size: int) -> None:
-        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
-        self.num_decode_blocks = num_decode_blocks
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx, "batcher")
+        self.num_decode_blocks = self.kv.allocators["decode0"].num_blocks
         # NOTE: a batch's budget is a share of the decode cache, not capped by free staging:
         # what the staging buffer cannot take stays in the host pool and is copied straight
         # to decode when admitted, so no request is too big to batch.
-        self.batch_blocks = int(num_decode_blocks * batch_kv_fraction)
-        self.max_batch_size = max_batch_size
+        self.batch_blocks = int(self.num_decode_blocks * self.sched.batch_kv_fraction)
         self.seqs: dict[str, Sequence] = {}
-        self.in_flight: set[int] = set()  # instances whose next batch is being staged
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
@@ -716,19 +682,16 @@ class BatcherCore(Core):
         staged is delivered), else the first of a new order; None when there is nothing to
         do. A driver may copy for several orders at once (each link queues its own)."""
         while True:
-            for order in self.orders:
-                if order.moving is None:
-                    order.moving = self.next_move(order, now)
-                    if order.moving is not None:
-                        return [order.moving]
-                    self.orders.remove(order)
-                    self.deliver(order, now)
-                    break
-            else:
-                new = self.next_order(now)
-                if new is None:
+            order = next((o for o in self.orders if o.moving is None), None)
+            if order is None:
+                if (order := self.next_order(now)) is None:
                     return None
-                self.orders.append(new)
+                self.orders.append(order)
+            order.moving = self.next_move(order, now)
+            if order.moving is not None:
+                return [order.moving]
+            self.orders.remove(order)
+            self.deliver(order, now)
 
     def _landing(self, move: Move) -> Order:
         order = next(o for o in self.orders if o.moving is move)
@@ -743,7 +706,6 @@ class BatcherCore(Core):
         """The orders being staged end with an error."""
         for order in self.orders:
             self.life.fail_all(order.seqs, error, now)
-            self.in_flight.discard(order.instance)
         self.orders = []
 
     def add(self, seq: Sequence) -> None:
@@ -751,13 +713,13 @@ class BatcherCore(Core):
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
         seq.status = SeqStatus.POOLED
         self.seqs[seq.seq_id] = seq
-        self.policy.add(seq_view(seq, self.kv.blocks_for(seq.num_computed_tokens)))
+        self.policy.add(seq_views([seq], self.kv)[0])
         self.pool_changed()
 
     def pool_changed(self) -> None:
-        """The pool gained requests or staging room was freed: windows may match again."""
-        if self.policy.uses_dynamic_prefetch:
-            self.pending.update(self.windows)
+        """The pool gained requests or staging room was freed: windows may match again
+        (only a policy with dynamic prefetch has windows reported)."""
+        self.pending.update(self.windows)
 
     def reap(self, now: float) -> None:
         """Ends the pooled seqs an abort asked to end, freeing their host blocks."""
@@ -773,34 +735,33 @@ class BatcherCore(Core):
         self.pending.add(instance)
 
     def next_order(self, now: float) -> Order | None:
-        """A batch for the first waiting instance the pool can serve, else matching
+        """A batch for the first waiting instance, if the pool can fill one, else matching
         requests for the first window that asks; None when there is nothing to do. An
         instance waits while it `wants_batch` and none is being staged for it (a second
         batch would overwrite the first)."""
-        wanting = [i for i, decode in enumerate(self.wiring.decodes)
-                   if decode.core.wants_batch and i not in self.in_flight]
-        for instance in wanting:
-            if not self.seqs:
-                break
-            ids = self.policy.next_batch(self.batch_blocks, self.max_batch_size, now)
+        staging = {order.instance for order in self.orders if order.batch_id >= 0}
+        waiting = next((i for i, decode in enumerate(self.wiring.decodes)
+                        if decode.core.wants_batch and i not in staging), None)
+        if waiting is not None and self.seqs:
+            # NOTE: the policy's batch does not depend on the instance (`next_batch` is a
+            # query of the pool), so only the first waiting instance is asked for
+            batch = self.sched.max_batch_size
+            ids = self.policy.next_batch(self.batch_blocks, batch, now)
             if not ids:  # only requests above the share: give one the whole cache
-                ids = self.policy.next_batch(self.num_decode_blocks, self.max_batch_size, now)
+                ids = self.policy.next_batch(self.num_decode_blocks, batch, now)
             if ids:
-                self.in_flight.add(instance)
                 self.num_batches += 1
-                return self._take(instance, self.num_batches, ids)
-        while self.pending:
-            instance = min(self.pending)
+                return self._take(waiting, self.num_batches, ids)
+        for instance in sorted(self.pending):
             self.pending.discard(instance)
-            order = self._match(instance, now)
-            if order is not None:
+            if (order := self._match(instance, now)) is not None:
                 return order
         return None
 
     def _match(self, instance: int, now: float) -> Order | None:
         """Pool requests whose length lies in the instance's running window."""
         window = self.windows.get(instance)
-        if window is None or not self.policy.uses_dynamic_prefetch or not self.seqs:
+        if window is None or not self.seqs:
             return None
         room = int(self.kv.free_blocks(f"staging{instance}") * MATCH_STAGING_SHARE)
         room = min(room, window.max_blocks)
@@ -831,8 +792,7 @@ class BatcherCore(Core):
         """The next prefetch (host -> staging) of `order`; None when it is all staged. A
         seq the staging buffer cannot take stays in the host pool and is copied straight to
         the decode device when admitted (also the `aligned-noprefetch` path)."""
-        while order.index < len(order.seqs):
-            seq = order.seqs[order.index]
+        for seq in order.seqs[order.index:]:
             order.index += 1
             if self.policy.uses_staging and seq.seq_id not in self.life.finish_requests:
                 move = self.life.reserve(seq, f"staging{order.instance}", at=now)
@@ -850,10 +810,7 @@ class BatcherCore(Core):
         live = self.life.reap(order.seqs, now)
         if order.moved:
             self.wiring.pool_space()
-        if order.batch_id >= 0:
-            # with none left (aborted or failed while staged) it still `wants_batch`
-            self.in_flight.discard(order.instance)
-        if live:
+        if live:  # with none left (aborted or failed while staged) it still `wants_batch`
             self.wiring.deliver(order.instance, order.batch_id, live)
 
 
@@ -870,16 +827,14 @@ class BatcherCore(Core):
 class DecodeCore(Core):
     """The running batch and its two candidate buffers."""
 
-    def __init__(self, index: int, policy: Policy, kv: BlockLedger, life: Lifecycle,
-                 wiring: Wiring, max_batch_size: int) -> None:
-        self.index, self.name, self.staging = index, f"decode{index}", f"staging{index}"
-        self.policy, self.kv, self.life, self.wiring = policy, kv, life, wiring
-        self.max_batch_size = max_batch_size
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"decode{index}", index)
+        self.staging = f"staging{index}"
         self.running: list[Sequence] = []
         self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
         self.cand_batch: list[Sequence] = []
         self.cand_batch_id = self.current_batch_id = -1
-        self.wants_batch = False
+        self.wants_batch = True  # a batch was asked for (the first: `Wiring.connect`)
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
@@ -900,13 +855,12 @@ class DecodeCore(Core):
         boundary: a forward may be using their KV)."""
         self.cand_requests = self.life.reap(self.cand_requests, now)
         self.cand_batch = self.life.reap(self.cand_batch, now)
-        if not self.cand_batch:
-            self.ask_for_batch()
+        self.ask_for_batch()
 
     def ask_for_batch(self) -> None:
         if not self.cand_batch and not self.wants_batch:
             self.wants_batch = True
-            self.wiring.want_batch()
+            self.wiring.to_batcher()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """The boundary's moves; once they landed, the admissions' moves; once those landed,
@@ -924,7 +878,7 @@ class DecodeCore(Core):
         if "host" in self._freed:
             self.wiring.pool_space()
         if self.staging in self._freed:
-            self.wiring.staging_space()
+            self.wiring.to_batcher(BatcherCore.pool_changed)
         self._freed.clear()
         if self._forward_next:
             self._forward_next = False
@@ -958,21 +912,17 @@ class DecodeCore(Core):
         """
         if self.cand_requests or self.cand_batch:
             return True
-        growth = sum(1 for s in self.running
-                     if self.kv.blocks_for(s.num_tokens) > self.kv.blocks_for(
-                         s.num_computed_tokens))
+        growth = sum(self.kv.blocks_for(s.num_tokens) - self.kv.blocks_for(s.num_computed_tokens)
+                     for s in self.running)  # blocks the next step adds
         return growth > self.kv.free_blocks(self.name)
 
     def view(self, now: float) -> BoundaryView:
-        def views(seqs: list[Sequence]) -> tuple:  # type: ignore[type-arg]
-            return tuple(seq_view(s, self.kv.blocks_for(s.num_computed_tokens)) for s in seqs)
-
         return BoundaryView(
-            running=views(self.running), free_blocks=self.kv.free_blocks(self.name),
-            block_size=self.kv.block_size, max_batch_size=self.max_batch_size,
-            candidate_requests=views(self.cand_requests),
-            candidate_batch=views(self.cand_batch), current_batch_id=self.current_batch_id,
-            now=now)
+            running=seq_views(self.running, self.kv), free_blocks=self.kv.free_blocks(self.name),
+            block_size=self.kv.block_size, max_batch_size=self.sched.max_batch_size,
+            candidate_requests=seq_views(self.cand_requests, self.kv),
+            candidate_batch=seq_views(self.cand_batch, self.kv),
+            current_batch_id=self.current_batch_id, now=now)
 
     def _evict(self, seq: Sequence, now: float) -> list[Move]:
         """Running -> candidate requests buffer, else host pool, else recompute later."""
@@ -1001,7 +951,7 @@ class DecodeCore(Core):
         else:
             self.cand_requests.remove(seq)
         if never_staged:
-            self.wiring.pooled(seq)
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
         return move
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
@@ -1035,7 +985,7 @@ class DecodeCore(Core):
             seq.status = SeqStatus.STAGED
             self.cand_requests.append(seq)
         else:
-            self.wiring.pooled(seq)
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
 
     def failed(self, move: Move, error: str, now: float) -> None:
         """A boundary copy failed: that seq alone ends with an error."""
@@ -1050,9 +1000,8 @@ class DecodeCore(Core):
         running, returns [] (wait for the batcher)."""
         runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
-            if not self.running:
-                return []
-            return self._evict(max(self.running, key=lambda s: s.num_tokens), now)
+            longest = max(self.running, key=lambda s: s.num_tokens, default=None)
+            return self._evict(longest, now) if longest else []
         self._report_window(runnable)
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)
@@ -1073,19 +1022,9 @@ class DecodeCore(Core):
             # requests beyond what the batch can take would drain the pool into staging,
             # and the next batch would then be chosen from what little is left there.
             held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
-            slots = self.max_batch_size - len(self.running) - len(self.cand_requests)
-            self.wiring.report_window(self.index, Window(
-                *window, self.kv.free_blocks(self.name) - held, slots))
-
-    def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
-        """The iteration ran: one token per seq; finished seqs leave the batch."""
-        self._advance(step, token_ids, logprobs, now, self.wiring.submit)
-        self.life.record(step, forward_time, schedule_time, is_mixed=len(
-            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
-        self.running = [s for s in self.running if not s.is_finished]
-        return []
+            slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
+            room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
+            self.wiring.to_batcher(lambda batcher: batcher.report_window(self.index, room))
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate
@@ -1107,10 +1046,12 @@ def _arrival_order(seq: Sequence) -> tuple[float, str]:
 class ColocatedCore(Core):
     """A waiting queue (arrival order), a running batch, one KV cache."""
 
-    def __init__(self, index: int, kv: BlockLedger, life: Lifecycle,
-                 scheduler: ContinuousScheduler) -> None:
-        self.index, self.name = index, f"decode{index}"
-        self.kv, self.life, self.scheduler = kv, life, scheduler
+    prefilled = SeqStatus.DECODING
+
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"decode{index}", index)
+        self.scheduler = ContinuousScheduler(self.sched.max_prefill_tokens,
+                                             self.sched.max_batch_size, self.kv.block_size)
         self.waiting = SortedKeyList(key=_arrival_order)
         self.running: list[Sequence] = []
 
@@ -1145,20 +1086,18 @@ class ColocatedCore(Core):
         by_id = {s.seq_id: s for s in (*self.running, *head)}
         for seq_id in plan.preempt:
             self._preempt(by_id[seq_id], now)
-        seqs, num_new_tokens = [], []
-        for seq_id, num_new in plan.scheduled:
-            seq = by_id[seq_id]
+        seqs = [by_id[seq_id] for seq_id, _ in plan.scheduled]
+        num_new_tokens = [num_new for _, num_new in plan.scheduled]
+        for seq, num_new in zip(seqs, num_new_tokens):
             end = seq.num_computed_tokens + num_new
             ok = (self.kv.grow(seq, end) if seq.location
                   else self.kv.allocate(seq, self.name, end))
-            assert ok, f"scheduler over-committed blocks for {seq_id}"
+            assert ok, f"scheduler over-committed blocks for {seq.seq_id}"
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SeqStatus.PREFILLING
-                self.life.event(seq_id, "prefill_start", now)
-            seqs.append(seq)
-            num_new_tokens.append(num_new)
+                self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, seqs, num_new_tokens, now) if seqs else None
 
     def _preempt(self, seq: Sequence, now: float) -> None:
@@ -1168,22 +1107,6 @@ class ColocatedCore(Core):
         seq.num_computed_tokens = 0
         self.life.event(seq.seq_id, "evicted", now)
         self.submit(seq)
-
-    def finish(self, step: Forward, token_ids: list[int | None],
-               logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
-        """The step ran: prefill chunks advance, seqs that sampled get their token. Returns
-        the KV copies of the samples forked from prompts whose prefill ended (n > 1), which
-        the driver carries out before the next step."""
-        num_prefill = sum(n for s, n in zip(step.seqs, step.num_new_tokens)
-                          if s.status == SeqStatus.PREFILLING)
-        forks = self._advance(step, token_ids, logprobs, now, self.submit)
-        for seq, token_id in zip(step.seqs, token_ids):
-            if token_id is not None and seq.status == SeqStatus.PREFILLING:
-                seq.status = SeqStatus.DECODING  # its prefill ended
-        self.life.record(step, forward_time, schedule_time, num_prefill)
-        self.running = [s for s in self.running if not s.is_finished]
-        return forks
 
     def landed(self, move: Move, now: float) -> None:
         """A sample's copy of its prompt's KV landed: it runs from its last prompt token."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,7 +76,6 @@ class Actor:
         self._copies: set[asyncio.Task[None]] = set()  # the batcher's copies in flight
         self.device = device
         if device is not None:
-            self.store = ctx.kv[core.name]
             self.runner = ctx.runners[device]
 
     def wake(self) -> None:
@@ -116,39 +114,37 @@ class Actor:
             self._decided = 0.0
         elif self.device is None:  # the batcher: orders overlap, as in the simulator
             for move in work:
-                task = asyncio.create_task(self._carry_out_and_wake(move))
+                task = asyncio.create_task(self.carry_out(move))
                 self._copies.add(task)
                 task.add_done_callback(self._copies.discard)
             return
         for move in work:
             await self.carry_out(move)
 
-    async def _carry_out_and_wake(self, move: Move) -> None:
-        await self.carry_out(move)
-        self.wake()  # the core may order the next copy
-
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
         self.num_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        logger.error("%s failed: %s\n%s", self.name, self.last_error,
-                     "".join(traceback.format_exception(exc)))
+        logger.error("%s failed: %s", self.name, self.last_error, exc_info=exc)
         return self.last_error
 
     async def forward(self, step: Forward) -> StepResult:
         """Runs `step` on the device's worker thread (the engine's one way to compute)."""
         items = [work_item(s, self.ctx.kv.table(s), n)
                  for s, n in zip(step.seqs, step.num_new_tokens)]
-        return await self.runner.execute(items, self.store.tensor)
+        return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
 
     async def carry_out(self, move: Move) -> None:
-        """Copies one KV move, then tells the core it `landed` (or `failed`)."""
+        """Copies one KV move, tells the core it `landed` (or `failed`), and wakes the actor:
+        the batcher's core may order the next copy (an actor awaiting its copies in `act`
+        steps again anyway)."""
         try:
             await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
             self.core.failed(move, self.record_error(exc), self.ctx.clock())
-            return
-        self.core.landed(move, self.ctx.clock())
+        else:
+            self.core.landed(move, self.ctx.clock())
+        self.wake()
 
 
 class KVSpace(BlockLedger):
@@ -202,19 +198,16 @@ class KVSpace(BlockLedger):
         """Copies a reserved move's KV and commits it. If the copy fails the error
         propagates with nothing committed (the caller cancels the move)."""
         src_ids, dst_ids = self.tables(move)
+        engine, src, dst = (self.copy_engine(move.src, move.dst), self.stores[move.src],
+                            self.stores[move.dst])
         start = clock()
         await asyncio.get_running_loop().run_in_executor(
-            self.executor(move.src, move.dst), _copy, self.copy_engine(move.src, move.dst),
-            self.stores[move.src], src_ids, self.stores[move.dst], dst_ids)
+            self.executor(move.src, move.dst),
+            lambda: engine.copy(src, src_ids, dst, dst_ids).wait())
         self.commit(move, start, clock())
 
     def shutdown(self) -> None:
         self.copy_executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _copy(engine: CopyEngine, src: KVStore, src_ids: list[int], dst: KVStore,
-          dst_ids: list[int]) -> None:
-    engine.copy(src, src_ids, dst, dst_ids).wait()
 
 
 def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from aserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from scheduler import PolicyConfig, ceil_div
+from scheduler import ceil_div
 from sim.cost import ModelGeometry
 from sim.hardware import Hardware
 
@@ -60,9 +60,6 @@ class ClusterConfig(CacheConfig, frozen=True, kw_only=True):
         return cls(**msgspec.structs.asdict(config.cache), prefill_devices=config.prefill_devices,
                    decode_devices=config.decode_devices, num_host_blocks=num_host_blocks,
                    scheduler=config.scheduler)
-
-    def policy_config(self, max_len: int) -> PolicyConfig:
-        return PolicyConfig.of(self.scheduler, max_len)
 
 
 def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, num_decode: int,

@@ -14,7 +14,7 @@ from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv
 from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
-from sim.loop import Device, EventLoop, Link
+from sim.loop import Device, EventLoop
 from transport.blocks import BlockAllocator
 
 
@@ -27,13 +27,13 @@ class SimContext:
     policy: Policy
     record_tokens: bool = True
     loop: EventLoop = field(default_factory=EventLoop)
-    devices: dict[str, Device] = field(default_factory=dict)
-    links: dict[str, Link] = field(default_factory=dict)
+    links: dict[str, Device] = field(default_factory=dict)  # a GPU's link timelines
     policy_time: float = 0.0  # real seconds spent deciding (inside the cores), not simulated
     wiring: Wiring = field(default_factory=Wiring)
     kv: BlockLedger = field(init=False)
     life: Lifecycle = field(init=False)
     store_devices: dict[str, str] = field(init=False)  # KV store -> its device
+    devices: dict[str, Device] = field(init=False)  # the compute timeline of each device
     decode_devices: tuple[str, ...] = field(init=False)  # colocated ones without a pool
 
     def __post_init__(self) -> None:
@@ -42,6 +42,7 @@ class SimContext:
                                else cfg.colocated_devices)
         stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg)
         self.store_devices = {name: dev for name, (dev, _) in stores.items()}
+        self.devices = {dev: Device(dev) for dev in self.store_devices.values()}
         sizes = {name: n for name, (_, n) in stores.items()} | {"host": cfg.num_host_blocks}
         self.kv = BlockLedger({name: BlockAllocator(n, cfg.block_size, name)
                                for name, n in sizes.items()}, cfg.block_size)
@@ -55,14 +56,13 @@ class SimContext:
             [(s.num_computed_tokens, n)
              for s, n, p in zip(step.seqs, step.num_new_tokens, prefill) if p])
 
-    def device(self, name: str) -> Device:
-        return self.devices.setdefault(name, Device(name))
-
-    def link_for(self, move: Move) -> Link:
-        """Host moves use the device's PCIe link, one per direction; device moves the device
-        link (NVLink), or a plain memcpy within one device. On a CPU (`not hardware.is_gpu`)
-        the copies occupy the device's compute timeline, as the engine runs CPU-to-CPU
-        copies in the device's thread."""
+    def transfer(self, move: Move, start: float) -> float:
+        """Books `move`'s copy from `start` on its link and returns when it lands. Host moves
+        use the device's PCIe link, one per direction; device moves the device link
+        (NVLink), or a plain memcpy within one device. A link is a timeline of its own whose
+        copies queue behind each other (FIFO); on a CPU (`not hardware.is_gpu`) the copies
+        occupy the device's compute timeline, as the engine runs CPU-to-CPU copies in the
+        device's thread, between its forwards."""
         hw = self.cost.hardware
         src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
@@ -72,9 +72,9 @@ class SimContext:
         else:
             device, name = src, f"{src}->{dst}"
             bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
-        if name not in self.links:
-            self.links[name] = Link(name, bandwidth, None if hw.is_gpu else self.device(device))
-        return self.links[name]
+        link = self.links.setdefault(name, Device(name)) if hw.is_gpu else self.devices[device]
+        num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
+        return link.run(start, num_bytes / bandwidth)[1]
 
 
 class Instance:
@@ -84,7 +84,7 @@ class Instance:
 
     def __init__(self, ctx: SimContext, core: Core, device: str | None = None) -> None:
         self.ctx, self.core, self.loop = ctx, core, ctx.loop
-        self.device = ctx.device(device) if device is not None else None
+        self.device = ctx.devices[device] if device is not None else None
         self.is_busy = False
         self._is_woken = False  # a wake is scheduled, or came while busy
         self._decided = 0.0  # real seconds of decisions since the last forward
@@ -117,19 +117,18 @@ class Instance:
                 if self._is_woken:  # woken while busy: act again once the loop is free
                     self.loop.soon(self._on_wake)
                 return
+            if self.device is None:  # the batcher's copies: each acts again once landed
+                for move in work:  # type: ignore[union-attr]
+                    self._copy([move])
+                continue
+            self.is_busy = True
             if isinstance(work, Forward):
-                assert self.device is not None, "only instances on a device compute"
-                self.is_busy = True
                 duration = self.ctx.forward_time(work)
                 end = self.device.run(self.loop.now, duration)[1]
                 self.loop.at(end, partial(self._finish, work, duration))
-                return
-            if self.device is not None:
-                self.is_busy = True
+            else:
                 self._copy(work)
-                return
-            for move in work:  # the batcher's: each acts again once landed
-                self._copy([move])
+            return
 
     def _copy(self, moves: list[Move]) -> None:
         """Copies `moves` one after another (the engine awaits each), each over its link
@@ -138,12 +137,11 @@ class Instance:
         if not moves:
             self.act()
             return
-        move, start, ctx = moves[0], self.loop.now, self.ctx
-        end = ctx.link_for(move).transfer(start, ctx.cost.kv_bytes(move.num_blocks,
-                                                                   ctx.config.block_size))
+        move, start = moves[0], self.loop.now
+        end = self.ctx.transfer(move, start)
 
         def land() -> None:
-            ctx.kv.commit(move, start, end)
+            self.ctx.kv.commit(move, start, end)
             self.core.landed(move, end)
             self._copy(moves[1:])
 
@@ -152,8 +150,7 @@ class Instance:
     def _finish(self, step: Forward, duration: float) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no
         logprobs."""
-        tokens = [0 if s.num_computed_tokens + n == s.num_tokens else None
-                  for s, n in zip(step.seqs, step.num_new_tokens)]
+        tokens = [0 if end == s.num_tokens else None for s, end in zip(step.seqs, step.lengths)]
         forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now,
                                  duration, self._decided)
         self._decided = 0.0

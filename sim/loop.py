@@ -1,4 +1,5 @@
-"""The simulator's machinery: a heapq event loop, simulated links and devices.
+"""The simulator's machinery: a heapq event loop, and the timelines of simulated devices
+and links.
 
 Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
 `scheduler/`), no costs (that is `sim.cost`). Events at the same time run in the order they
@@ -48,33 +49,9 @@ class EventLoop:
         return len(self._heap)
 
 
-class Link:
-    """One direction of one link: transfers queue behind each other (FIFO).
-
-    With `device`, the copies run on that device's compute timeline instead (the engine on
-    a CPU copies between CPU stores in the device's worker thread, between its forwards).
-    """
-
-    __slots__ = ("name", "bandwidth", "busy_until", "device")
-
-    def __init__(self, name: str, bandwidth: float, device: Device | None = None) -> None:
-        if not bandwidth > 0:
-            raise ValueError(f"bandwidth ({bandwidth}) of link {name!r} must be > 0")
-        self.name, self.bandwidth, self.device = name, bandwidth, device
-        self.busy_until = 0.0
-
-    def transfer(self, start: float, num_bytes: float) -> float:
-        """Queues `num_bytes` no earlier than `start`; returns when they have arrived."""
-        if self.device is not None:
-            self.busy_until = self.device.run(start, num_bytes / self.bandwidth)[1]
-            return self.busy_until
-        begin = max(start, self.busy_until)
-        self.busy_until = begin + num_bytes / self.bandwidth
-        return self.busy_until
-
-
 class Device:
-    """A compute timeline: instances on one device run their steps one after another."""
+    """A compute timeline: instances on one device run their steps one after another (one
+    direction of a link too: its copies queue behind each other)."""
 
     __slots__ = ("name", "busy_until", "busy_time")
 

@@ -14,7 +14,7 @@ from aserve.core import Event, IterationRecord, Request, SamplingParams, Transfe
 from aserve.core import Sequence as SeqState
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, summarize
 from bench.workloads import Workload
-from scheduler import get_policy, tree_range
+from scheduler import PolicyConfig, get_policy, tree_range
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
 from sim.drivers import Instance, SimContext
@@ -58,15 +58,13 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     """
     began = time.perf_counter()
     longest = max((r.prompt_len + r.output_len for r in workload.requests), default=1)
-    policy = get_policy(system, config.policy_config(tree_range(max(MIN_TREE_RANGE,
-                                                                     longest + 1))),
-                        cost.iteration_time)
+    policy = get_policy(system, PolicyConfig.of(config.scheduler, tree_range(
+        max(MIN_TREE_RANGE, longest + 1))), cost.iteration_time)
     ctx = SimContext(config, cost, policy, record_tokens)
-    for req in workload.requests:
-        ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
-                          f"request {req.request_id!r}")
     ctx.wiring.connect(partial(Instance, ctx), ctx, ctx.decode_devices)
     for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
+        ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,
+                          f"request {req.request_id!r}")
         request = Request(request_id=req.request_id, prompt_token_ids=(0,) * req.prompt_len,
                           sampling=SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                           arrival_time=at)

@@ -6,7 +6,7 @@ decision, without a model."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -29,10 +29,11 @@ class CostRunner:
 
     @classmethod
     def factory(cls, cost: CostModel,
-                device: Callable[[str], Device]) -> Callable[..., CostRunner]:
-        """`Engine(runner_factory=...)`: one CostRunner per device, on `device(name)`."""
+                devices: Mapping[str, Device]) -> Callable[..., CostRunner]:
+        """`Engine(runner_factory=...)`: one CostRunner per device, on `devices[name]` (a
+        SimContext's device timelines)."""
         def make(config: ModelConfig, dev: torch.device, block_size: int) -> CostRunner:
-            return cls(cost, device(str(dev)), config.model)
+            return cls(cost, devices[str(dev)], config.model)
         return make
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:

@@ -10,9 +10,10 @@ import random
 
 import pytest
 
+from aserve.config import SchedulerConfig
 from aserve.core import IterationRecord
 from bench.workloads import Workload, WorkloadRequest
-from scheduler import get_policy
+from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig
 from sim.drivers import SimContext
 from tests.conftest import make_config
@@ -41,7 +42,7 @@ def share(policy: str, seed: int) -> float:
                          max_batch_size=64, max_position_embeddings=2048, host_pool_gb=1.0)
     cost = cost_model()
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
-                       get_policy(policy, ClusterConfig().policy_config(4096)))
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe, short_long(100, seed), aborts={})
     assert not engine.stats()["live"]  # every request finished
     return aligned_share(list(engine.iterations))

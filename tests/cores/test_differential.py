@@ -12,12 +12,12 @@ import selectors
 
 import pytest
 
-from aserve.config import EngineConfig
+from aserve.config import EngineConfig, SchedulerConfig
 from aserve.core import Request, SamplingParams
 from aserve.engine import Engine
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES as REGISTERED
-from scheduler import get_policy, throughput
+from scheduler import PolicyConfig, get_policy, throughput
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.drivers import SimContext
 from sim.hardware import Hardware
@@ -26,6 +26,9 @@ from tests.cores.cost_runner import CostRunner
 
 TOLERANCE = 1e-6  # seconds; both drivers compute the same sums on the same clock
 ABORTS = {"s12": 0.09, "s24": 0.14, "s60": 0.3}  # decoding, pooled, just arrived
+# NOTE: low enough that starvation control changes decisions of every policy that has it
+# here (at 0.3 only aligned-strict's): dropping the rule from one driver must show
+STARVATION_THRESHOLD = 0.1  # seconds
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -84,15 +87,14 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
                      deadline: float = math.inf) -> Engine:
     """`load` (by default the workload above) through the engine driver; KV copies take the
     simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
-    engine = Engine(config, CostRunner.factory(cost, sim_ctx.device))
+    engine = Engine(config, CostRunner.factory(cost, sim_ctx.devices))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
 
     async def copy(move, clock) -> None:  # type: ignore[no-untyped-def]
         start = clock()
-        landed = sim_ctx.link_for(move).transfer(
-            start, cost.kv_bytes(move.num_blocks, kv.block_size))
+        landed = sim_ctx.transfer(move, start)
         await asyncio.sleep(landed - start)
         kv.commit(move, start, landed)
 
@@ -149,9 +151,9 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
     if headroom is not None:
         monkeypatch.setattr(throughput, "HEADROOM_STEPS", headroom)
     cost = cost_model()
-    config = engine_config(policy)
+    config = engine_config(policy, STARVATION_THRESHOLD)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
-                       get_policy(policy, ClusterConfig().policy_config(4096)))
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe)
     kv = engine.ctx.kv  # type: ignore[union-attr]
     cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
@@ -174,6 +176,10 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
         assert "evicted" in kinds
     if policy != "continuous":  # a batch switch mixed two batches
         assert any(mixed for *_, mixed in engine_side[1])
+    if policy.startswith("aligned"):  # the workload exercises starvation control
+        without = simulate(workload(), policy, cluster.replace(starvation_threshold=None), cost,
+                           aborts=ABORTS)
+        assert decisions(without.events, without.iterations, without.transfers) != sim_side
     aborted = {seq_id for seq_id, _ in ABORTS.items()
                if len([e for e in engine.events if e.seq_id == seq_id and e.kind == "token"])
                < next(r.output_len for r in workload().requests if r.request_id == seq_id) - 1}

@@ -56,16 +56,18 @@ def test_a_fork_copies_the_parents_blocks_as_they_were_reserved() -> None:
     parent, child, other = seq(9), seq(9, "b"), seq(9, "c")
     kv.allocate(parent, "prefill0", 9)
     parent_ids = kv.table(parent)
-    move = kv.fork(parent, child, 8)  # all prompt tokens but the last
+    child.num_computed_tokens = other.num_computed_tokens = 8  # the prompt but its last
+    move = kv.reserve(child, "prefill0", parent)
     assert move is not None and (move.src, move.dst, move.num_blocks) == ("prefill0",) * 2 + (2,)
-    assert child.location == "prefill0" and kv.free_blocks("prefill0") == 1
-    assert kv.fork(parent, other, 8) is None and not other.location  # full: nothing changed
+    assert not child.location and kv.free_blocks("prefill0") == 1  # it lives there once copied
+    assert kv.reserve(other, "prefill0", parent) is None  # full: nothing changed
+    assert not other.location and kv.free_blocks("prefill0") == 1
     kv.release(parent)  # the parent may finish before the copy; its ids were taken
     src, dst = kv.tables(move)
-    assert src == parent_ids[:2] and dst == kv.table(child)
+    assert src == parent_ids[:2] and dst == kv.allocators["prefill0"].table("b")
     kv.commit(move, 1.0, 1.0)
     assert kv.free_blocks("prefill0") == 4 and child.location == "prefill0"
-    failed = kv.fork(child, other, 8)
+    failed = kv.reserve(other, "prefill0", child)
     assert failed is not None
     kv.cancel(failed)  # a failed fork holds nothing, and frees nothing of its source
     assert not other.location and kv.free_blocks("prefill0") == 4

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from aserve.config import EngineConfig
+from aserve.config import EngineConfig, SchedulerConfig
 from bench.workloads import Workload, WorkloadRequest
-from scheduler import POLICIES
+from scheduler import POLICIES, PolicyConfig
 from sim import ClusterConfig
 from sim.drivers import SimContext
 from tests.cores.test_differential import VirtualClockLoop, cost_model, run_engine
@@ -58,7 +58,7 @@ def test_every_request_finishes_on_the_engine(policy: str, scenario: str) -> Non
     engine_config = config(policy, **knobs)  # type: ignore[arg-type]
     cost = cost_model()
     probe = SimContext(ClusterConfig.from_engine(engine_config, 1), cost,
-                       POLICIES[policy](ClusterConfig().policy_config(4096)))
+                       POLICIES[policy](PolicyConfig.of(SchedulerConfig(), 4096)))
     loop = VirtualClockLoop()
     try:
         engine = loop.run_until_complete(run_engine(

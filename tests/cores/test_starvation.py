@@ -10,8 +10,9 @@ import random
 
 import pytest
 
+from aserve.config import SchedulerConfig
 from bench.workloads import Workload, WorkloadRequest
-from scheduler import get_policy
+from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig
 from sim.drivers import SimContext
 from tests.cores.test_differential import cost_model, engine_config, run_on_virtual_clock
@@ -36,7 +37,7 @@ def long_request_wait(policy: str, threshold: float | None) -> tuple[float, floa
     cost = cost_model()
     config = engine_config(policy, starvation_threshold=threshold)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
-                       get_policy(policy, ClusterConfig().policy_config(4096)))
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe, stream_with_one_long(), aborts={})
     first = {}
     for e in engine.events:

@@ -97,9 +97,9 @@ def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject,
             victims.append(seq.seq_id)
             inject(seq, dst_name)
 
-    def reserve(seq: Sequence, dst_name: str) -> object:
+    def reserve(seq: Sequence, dst_name: str, *parent: Sequence) -> object:
         arm(seq, dst_name)
-        return original(seq, dst_name)
+        return original(seq, dst_name, *parent)
 
     async def copy(move: Move, clock: object) -> None:
         arm(move.seq, move.dst)

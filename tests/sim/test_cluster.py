@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from aserve.config import EngineConfig, SchedulerConfig
+from scheduler import PolicyConfig
 from sim import ClusterConfig
 
 BUILDERS: dict[str, Callable[[object], object]] = {
@@ -32,7 +33,8 @@ def test_cluster_from_engine_config_carries_every_scheduler_knob() -> None:
                                  max_batch_size=12, batch_kv_fraction=0.5)
     cluster = ClusterConfig.from_engine(engine, num_host_blocks=64)
     assert cluster.scheduler == engine.scheduler
-    knobs = cluster.policy_config(1024)  # match_slack too, which the simulator once dropped
+    # match_slack too, which the simulator once dropped
+    knobs = PolicyConfig.of(cluster.scheduler, 1024)
     assert (knobs.min_requests, knobs.leaf_width, knobs.starvation_threshold, knobs.match_slack,
             knobs.max_spread, knobs.drain_floor) == (3, 8, 0.5, 0.5, None, 0.2)
 

@@ -1,4 +1,4 @@
-"""The simulator's machinery: event ordering, links and devices."""
+"""The simulator's machinery: event ordering, device timelines, and KV copies on their links."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ from functools import partial
 
 import pytest
 
-from sim.loop import Device, EventLoop, Link
+from aserve.core import Request, SamplingParams, Sequence
+from aserve.cores import Move
+from scheduler import PolicyConfig, get_policy
+from sim import ClusterConfig, CostModel, get_geometry, get_hardware
+from sim.drivers import SimContext
+from sim.loop import Device, EventLoop
 
 
 def test_events_run_in_time_order_and_ties_in_scheduling_order() -> None:
@@ -49,22 +54,40 @@ def test_run_until_leaves_later_events() -> None:
     assert seen == [1, 2] and len(loop) == 1
 
 
+def transfer_context(hardware: str) -> tuple[SimContext, float]:
+    """A simulated cluster (prefill on d0, decode on d1) and the seconds one KV block takes
+    over its host link."""
+    cluster = ClusterConfig.create(prefill_devices=("d0",), decode_devices=("d1",))
+    cost = CostModel(get_geometry("opt-tiny"), get_hardware(hardware))
+    ctx = SimContext(cluster, cost, get_policy("aligned", PolicyConfig.of(cluster.scheduler, 64)))
+    return ctx, cost.kv_bytes(1, cluster.block_size) / cost.hardware.host_link_bandwidth
+
+
+def move(src: str, dst: str, num_blocks: int) -> Move:
+    request = Request(request_id="r", prompt_token_ids=(1,), sampling=SamplingParams(),
+                      arrival_time=0.0)
+    return Move(Sequence.from_request(request), src, dst, num_blocks)
+
+
 def test_link_transfers_queue_behind_each_other() -> None:
-    link = Link("pcie", bandwidth=100.0)
-    assert link.transfer(0.0, 100.0) == pytest.approx(1.0)
-    assert link.transfer(0.5, 50.0) == pytest.approx(1.5)  # waits for the first
-    assert link.transfer(3.0, 100.0) == pytest.approx(4.0)  # idle link starts at once
+    ctx, block = transfer_context("h100")
+    assert ctx.transfer(move("host", "decode0", 10), 0.0) == pytest.approx(10 * block)
+    # waits for the first
+    assert ctx.transfer(move("host", "decode0", 5), 5 * block) == pytest.approx(15 * block)
+    # the other direction is a link of its own; an idle link starts at once
+    assert ctx.transfer(move("decode0", "host", 1), 0.0) == pytest.approx(block)
+    assert ctx.transfer(move("host", "decode0", 1), 30 * block) == pytest.approx(31 * block)
 
 
-def test_link_on_a_device_queues_copies_with_its_forwards() -> None:
+def test_link_on_a_cpu_queues_copies_with_its_forwards() -> None:
     """On a CPU the engine copies in the device's thread: a copy waits for the forward
     booked before it, and the next forward waits for the copy."""
-    device = Device("cpu")
-    link = Link("cpu.d2h", bandwidth=100.0, device=device)
+    ctx, block = transfer_context("cpu")
+    device = ctx.devices["d1"]
     device.run(0.0, 1.0)
-    assert link.transfer(0.5, 100.0) == pytest.approx(2.0)
-    assert device.run(0.0, 1.0) == pytest.approx((2.0, 3.0))
-    assert device.busy_time == pytest.approx(3.0)
+    assert ctx.transfer(move("host", "decode0", 10), 0.5) == pytest.approx(1.0 + 10 * block)
+    assert device.run(0.0, 1.0) == pytest.approx((1.0 + 10 * block, 2.0 + 10 * block))
+    assert device.busy_time == pytest.approx(2.0 + 10 * block)
 
 
 def test_device_runs_steps_one_after_another() -> None:
