@@ -4,7 +4,9 @@ pressure, injected faults and input validation. Every scenario ends with integri
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,26 @@ async def test_prefill_instances_record_each_packed_prefill() -> None:
         assert r.instance == "prefill0" and r.num_prefill_tokens <= 256
         assert r.num_prefill_tokens == sum(r.prefill_lengths) and r.forward_time > 0
         assert r.batch_size == len(r.prefill_lengths)
+
+
+async def test_serving_objects_are_out_of_full_collections_while_the_engine_runs() -> None:
+    """What start-up leaves alive is frozen (no full collection walks it inside a forward);
+    after stop the collector sees it again, and a cycle made while serving is collected."""
+    config = make_config(policy="fcfs")
+    async with Engine(config) as engine:
+        assert gc.get_freeze_count() > 0
+        cycle: list[object] = []
+        cycle.append(cycle)
+        ref = weakref.ref(_Node(cycle))
+        await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
+        gc.collect()
+        assert ref() is None
+    assert gc.get_freeze_count() == 0
+
+
+class _Node:
+    def __init__(self, payload: object) -> None:
+        self.me, self.payload = self, payload
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "continuous"])
