@@ -31,3 +31,41 @@ async def test_fcfs_is_not_probed() -> None:
     async with Engine(make_config(policy="fcfs")) as engine:
         step_time = engine.ctx.policy.step_time  # type: ignore[union-attr]
         assert isinstance(step_time, EngineStepCost) and step_time.num_fits == 0
+
+
+def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_show() -> None:
+    """An `aligned` run on padded attention records steps whose timings the fit can explain
+    without any charge for the spread of lengths (here: they were made so); fitted to them
+    alone, the refit dropped the probe's imbalance weight to 0 and `aligned` then mixed
+    lengths (benchmarks/RESULTS.md §18). The probe's steps weigh as much as the records."""
+    import dataclasses
+
+    from aserve.core import IterationRecord
+    from models.opt import OPTConfig
+    from sim.cost import CostModel, CostParams
+
+    probe_truth = CostParams(step_overhead=0.0, per_seq_overhead=7e-4, bw_efficiency=0.56,
+                             flops_efficiency=0.44, imbalance_scale=2.8)
+    blind = dataclasses.replace(probe_truth, per_seq_overhead=5e-3, imbalance_scale=0.0)
+    records: list[IterationRecord] = []
+    cost = EngineStepCost(OPTConfig(), "padded", "cpu", 2, records)
+    n, longest = PROBE_BATCH, 512
+    m = cost.model
+    truth = CostModel(m.geometry, m.hardware, probe_truth, m.kernel)
+    probed = [{"forward_time": truth.iteration_time([x + 1 for x in lengths]), "batch_size":
+               len(lengths), "num_prefill_tokens": 0, "lengths": [x + 1 for x in lengths]}
+              for lengths in ([32] * n, [128] * n, [longest] * n, [longest],
+                              [32] * (n - 1) + [longest])]
+    cost = EngineStepCost(OPTConfig(), "padded", "cpu", 2, records, probed)
+    assert cost.model.params.imbalance_scale > 1.0  # the probe shows the padding's price
+    seen = CostModel(m.geometry, m.hardware, blind, m.kernel)
+    for i in range(200):  # steps of 8-16 seqs, lengths within 1.5x of each other
+        lo = 40 + 3 * i
+        lengths = [lo + (lo // 2) * j // 15 for j in range(8 + i % 9)]
+        records.append(IterationRecord("decode0", float(i), len(lengths), 0, min(lengths),
+                                       max(lengths), seen.iteration_time(lengths), 0.0,
+                                       False, {}))
+    cost.refit()
+    assert cost.model.params.imbalance_scale > 1.0
+    alone = cost._fitted([dataclasses.asdict(r) for r in records])
+    assert alone.params.imbalance_scale < 0.5  # what the records alone would have fitted
