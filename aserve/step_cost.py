@@ -95,7 +95,8 @@ class EngineStepCost:
         self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
         if len(rows) < FIRST_FIT // 2:
             return
-        refitted = self._fitted(rows + self.probed * max(1, len(rows) // max(1, len(self.probed))))
+        probed = self.probed * (len(rows) // len(self.probed)) if self.probed else []
+        refitted = self._fitted(rows + probed)
         if relative_error(refitted, rows) < relative_error(self.model, rows):
             self.model = refitted
             self.num_fits += 1
