@@ -244,7 +244,8 @@ class IterationRecord:
     schedule_time: float  # seconds the policy's decision took at the boundary before it
     is_mixed: bool  # requests of two batches (old and new) ran together
     blocks_used: dict[str, int]  # location -> blocks in use after the step
-    prefill_lengths: tuple[int, ...] = ()  # a packed prefill's prompt lengths (prefill instances)
+    lengths: tuple[int, ...] = ()  # each seq's prefix once the step is done, in batch order
+    new_tokens: tuple[int, ...] = ()  # tokens each seq computed in the step (1: a decode)
 
 
 @dataclass(frozen=True, slots=True)

@@ -468,7 +468,7 @@ class Lifecycle:
         record = IterationRecord(
             step.instance, step.start_time, len(step.seqs), num_prefill_tokens,
             min(step.lengths), max(step.lengths), forward_time, schedule_time, is_mixed,
-            self.kv.blocks_used(), step.lengths if packed else ())
+            self.kv.blocks_used(), step.lengths, tuple(step.num_new_tokens))
         if packed:
             self._keep(self.prefill_iterations, record)
         else:

@@ -256,6 +256,8 @@ def read_iteration_log(path: str | Path) -> tuple[dict[str, object], list[Iterat
     records = []
     for line in lines[1:]:
         fields = json.loads(line)
-        fields["prefill_lengths"] = tuple(fields.get("prefill_lengths", ()))
+        packed = fields.pop("prefill_lengths", ())  # logs written before `new_tokens`
+        fields["lengths"] = tuple(fields.get("lengths") or packed)
+        fields["new_tokens"] = tuple(fields.get("new_tokens") or packed)
         records.append(IterationRecord(**fields))
     return header, records

@@ -28,7 +28,7 @@ from sim.cost import (
 )
 from sim.hardware import get_hardware
 
-Record = Mapping[str, object]  # IterationRecord fields (+ optional "lengths": list[int])
+Record = Mapping[str, object]  # IterationRecord fields (or a JSON line of them)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ATTENTION_KERNELS: dict[str, KernelKind] = {  # engine attention backend -> kernel kind
     name: spec.kernel for name, spec in BACKENDS.items()  # type: ignore[misc]
@@ -70,18 +70,28 @@ def load_records(path: str | Path) -> tuple[dict[str, object], list[dict[str, ob
 
 
 def record_lengths(record: Record) -> tuple[list[int], list[tuple[int, int]]]:
-    """(decode lengths, prefill chunks) of a record. A packed prefill ("prefill_lengths")
-    is one chunk per prompt. Otherwise, without "lengths", the batch's lengths are spread
-    evenly from min_len to max_len, and prefill tokens count as one chunk."""
-    batch_size, num_prefill = _int(record, "batch_size"), _int(record, "num_prefill_tokens")
+    """(decode lengths, prefill chunks) of a record.
+
+    The engine records each seq's prefix after the step ("lengths") and the tokens it
+    computed ("new_tokens"): a seq that computed one token is a decode of that length, any
+    other a chunk ``(prefix before, new tokens)``. (A one-token prompt chunk is then
+    counted as a decode: one query over the same prefix, the same bytes and FLOPs.)
+    Logs written before "new_tokens" carry a packed prefill's prompts as
+    "prefill_lengths", one chunk each. Otherwise prefill tokens count as one chunk, and the
+    decode lengths are "lengths" when given, else spread evenly from min_len to max_len.
+    """
+    lengths, new = record.get("lengths"), record.get("new_tokens")
     packed = record.get("prefill_lengths")
-    if isinstance(packed, list) and packed:  # a prefill instance's packed prefill
-        return [], [(0, int(n)) for n in packed]
+    if isinstance(packed, (list, tuple)) and packed:
+        lengths = new = packed
+    if isinstance(lengths, (list, tuple)) and isinstance(new, (list, tuple)) and new:
+        steps = [(int(n), int(k)) for n, k in zip(lengths, new, strict=True)]
+        return [n for n, k in steps if k == 1], [(n - k, k) for n, k in steps if k != 1]
+    batch_size, num_prefill = _int(record, "batch_size"), _int(record, "num_prefill_tokens")
     chunks = [(0, num_prefill)] if num_prefill > 0 else []
     num_decode = max(0, batch_size - len(chunks))
-    given = record.get("lengths")
-    if isinstance(given, list):
-        return [int(x) for x in given][:num_decode], chunks
+    if isinstance(lengths, (list, tuple)) and lengths:
+        return [int(x) for x in lengths][:num_decode], chunks
     lo, hi = _int(record, "min_len"), _int(record, "max_len")
     if num_decode <= 1:
         return [hi] * num_decode, chunks

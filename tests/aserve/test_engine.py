@@ -136,11 +136,12 @@ async def test_prefill_instances_record_each_packed_prefill() -> None:
             collect(engine, p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts))
         records = list(engine.prefill_iterations)
         await settle(engine)
-    assert sorted(n for r in records for n in r.prefill_lengths) == sorted(map(len, prompts))
+    assert sorted(n for r in records for n in r.lengths) == sorted(map(len, prompts))
     for r in records:
         assert r.instance == "prefill0" and r.num_prefill_tokens <= 256
-        assert r.num_prefill_tokens == sum(r.prefill_lengths) and r.forward_time > 0
-        assert r.batch_size == len(r.prefill_lengths)
+        assert r.new_tokens == r.lengths  # whole prompts, from an empty prefix
+        assert r.num_prefill_tokens == sum(r.lengths) and r.forward_time > 0
+        assert r.batch_size == len(r.lengths)
 
 
 async def test_serving_objects_are_out_of_full_collections_while_the_engine_runs() -> None:

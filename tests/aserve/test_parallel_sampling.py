@@ -63,7 +63,7 @@ async def test_n_samples_prefill_once_and_equal_independent_requests(
         assert num_shared == len(PROMPT) + 3
     elif num_prefill_blocks == 64:  # one packed prefill; the samples' last tokens in decode
         assert num_shared == len(PROMPT)
-        assert [r.prefill_lengths for r in engine.prefill_iterations[:1]] == [(len(PROMPT),)]
+        assert [r.lengths for r in engine.prefill_iterations[:1]] == [(len(PROMPT),)]
     else:  # 40 tokens take 3 of the 4 blocks: no room for a copy, each is prefilled alone
         assert num_shared == 4 * len(PROMPT)
 

@@ -64,7 +64,7 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
         lengths = [lo + (lo // 2) * j // 15 for j in range(8 + i % 9)]
         records.append(IterationRecord("decode0", float(i), len(lengths), 0, min(lengths),
                                        max(lengths), seen.iteration_time(lengths), 0.0,
-                                       False, {}))
+                                       False, {}, tuple(lengths), (1,) * len(lengths)))
     cost.refit()
     assert cost.model.params.imbalance_scale > 1.0
     alone = cost._fitted([dataclasses.asdict(r) for r in records])

@@ -162,11 +162,21 @@ def test_iteration_log_round_trips(tmp_path: Path) -> None:
     records = [IterationRecord("decode0", 1.0, 4, 0, 10, 14, 0.01, 0.001, False,
                                {"decode": 3, "host": 9}),
                IterationRecord("prefill0", 1.5, 2, 30, 10, 20, 0.02, 0.0, False, {},
-                               prefill_lengths=(10, 20))]
+                               lengths=(10, 20), new_tokens=(10, 20))]
     path = tmp_path / "it.jsonl"
     write_iteration_log(path, {"model": TINY, "dtype": "float32", "system": "aligned"}, records)
     assert read_iteration_log(path) == ({"model": TINY, "dtype": "float32",
                                          "system": "aligned"}, records)
+
+
+def test_iteration_logs_written_before_new_tokens_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "old.jsonl"
+    old = {"instance": "prefill0", "start_time": 1.5, "batch_size": 2, "num_prefill_tokens": 30,
+           "min_len": 10, "max_len": 20, "forward_time": 0.02, "schedule_time": 0.0,
+           "is_mixed": False, "blocks_used": {}, "prefill_lengths": [10, 20]}
+    path.write_text(json.dumps({"header": {"model": TINY}}) + "\n" + json.dumps(old) + "\n")
+    _, [record] = read_iteration_log(path)
+    assert record.lengths == (10, 20) and record.new_tokens == (10, 20)
 
 
 async def test_loop_lag_probe_sees_a_blocked_loop() -> None:

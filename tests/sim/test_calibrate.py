@@ -74,8 +74,23 @@ def test_record_lengths_spread_evenly_and_count_prefill_as_one_chunk() -> None:
     mixed = dict(batch_size=3, min_len=10, max_len=30, num_prefill_tokens=100)
     assert record_lengths(mixed) == ([10, 30], [(0, 100)])
     packed = dict(batch_size=3, min_len=10, max_len=70, num_prefill_tokens=120,
-                  prefill_lengths=[10, 40, 70])  # a prefill instance's packed prefill
+                  prefill_lengths=[10, 40, 70])  # a packed prefill, as logs before new_tokens
     assert record_lengths(packed) == ([], [(0, 10), (0, 40), (0, 70)])
+
+
+def test_record_lengths_read_each_seq_of_a_mixed_step() -> None:
+    """A colocated step that prefills 12 prompts of 2,048 tokens in all is 12 chunks, not one
+    2,048-token prompt and 11 made-up decodes (what min/max alone gave)."""
+    prompts = [100, 300, 50, 200, 150, 250, 120, 180, 90, 210, 198, 200]
+    record = dict(batch_size=14, min_len=50, max_len=827, num_prefill_tokens=2048,
+                  lengths=[827, 400, *prompts], new_tokens=[1, 1, *prompts])
+    assert record_lengths(record) == ([827, 400], [(0, n) for n in prompts])
+    chunk = dict(batch_size=2, lengths=[700, 33], new_tokens=[200, 1])  # a chunk's second part
+    assert record_lengths(chunk) == ([33], [(500, 200)])
+    truth = CostModel(get_geometry("opt-125m"), get_hardware("cpu"), TRUE)
+    spread = dict(record, lengths=None)
+    assert truth.iteration_time(*record_lengths(spread)) > 1.1 * truth.iteration_time(
+        [827, 400], [(0, n) for n in prompts])
 
 
 def test_packed_prefill_records_fit_the_prefill_cost() -> None:
