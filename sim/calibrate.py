@@ -156,7 +156,8 @@ _NOMINAL = CostParams(step_overhead=0.0, per_seq_overhead=0.0, bw_efficiency=1.0
 
 def _design(feats: Sequence[Features], q: float, bw: float) -> np.ndarray:
     return np.array([[1.0, f.num_seqs, max(f.mem_bytes, q * f.flops) / bw,
-                      f.imbalance_bytes / bw] for f in feats])
+                      f.imbalance_bytes / bw, q * f.prefill_attention_flops / bw]
+                     for f in feats])
 
 
 def _solve(feats: Sequence[Features], times: np.ndarray, q: float,
@@ -207,14 +208,17 @@ def _refine(feats: Sequence[Features], times: np.ndarray, bw: float, lo: float,
 def _to_params(coef: np.ndarray, q: float, bw: float, rate: float,
                has_imbalance: bool) -> CostParams:
     """max(m / (bw be), f / (rate fe)) = c2 max(m, q f) / bw with be = 1 / c2 and
-    q = bw be / (rate fe); the imbalance term c3 imb / bw = scale imb / (bw be). Records
-    without imbalance (split-k) say nothing about its scale: it keeps its default."""
+    q = bw be / (rate fe); the imbalance term c3 imb / bw = scale imb / (bw be), and the
+    prefill attention term c4 q a / bw = slowdown a / (rate fe). Records without imbalance
+    (split-k) say nothing about its scale: it keeps its default (as the slowdown keeps 0
+    without prefill chunks, whose column is then all zeros)."""
     c2 = max(float(coef[2]), 1e-9)
     bw_eff = 1.0 / c2
     return CostParams(step_overhead=max(float(coef[0]), 0.0),
                       per_seq_overhead=max(float(coef[1]), 0.0), bw_efficiency=bw_eff,
                       flops_efficiency=bw * bw_eff / (rate * q),
-                      imbalance_scale=max(float(coef[3]), 0.0) / c2 if has_imbalance else 1.0)
+                      imbalance_scale=max(float(coef[3]), 0.0) / c2 if has_imbalance else 1.0,
+                      attention_slowdown=max(float(coef[4]), 0.0) / c2)
 
 
 def _int(record: Record, key: str) -> int:

@@ -102,9 +102,13 @@ class CostParams:
     bw_efficiency: float = 0.8  # achieved share of the nominal memory bandwidth
     flops_efficiency: float = 0.6  # achieved share of the nominal matmul rate
     imbalance_scale: float = 1.0  # weight of the attention imbalance term
+    # Prefill attention's time per FLOP beyond the matmuls' (0: both at the matmul rate;
+    # on the CPU, one SDPA call per prompt runs far slower per FLOP than the GEMMs).
+    attention_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_overhead", "per_seq_overhead", "imbalance_scale"):
+        for name in ("step_overhead", "per_seq_overhead", "imbalance_scale",
+                     "attention_slowdown"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
         for name in ("bw_efficiency", "flops_efficiency"):
@@ -119,6 +123,7 @@ class Features(NamedTuple):
     mem_bytes: float  # weights + KV read and written
     flops: float
     imbalance_bytes: float  # extra bytes-equivalent of attention imbalance (>= 0)
+    prefill_attention_flops: float = 0.0  # the query-key FLOPs of prefill chunks (in flops)
 
 
 class CostModel:
@@ -149,24 +154,25 @@ class CostModel:
         """
         num_kv = sum(decode_lengths)
         num_tokens = len(decode_lengths)
-        num_attn = float(num_kv)
+        prefill_attn = 0.0
         for start, num_new in prefill_chunks:
             num_kv += start + num_new
             num_tokens += num_new
-            num_attn += num_new * start + num_new * (num_new + 1) / 2
+            prefill_attn += num_new * start + num_new * (num_new + 1) / 2
         num_seqs = len(decode_lengths) + len(prefill_chunks)
-        return self._features(num_seqs, num_tokens, num_kv, num_attn,
-                              self.imbalance_bytes(decode_lengths))
+        return self._features(num_seqs, num_tokens, num_kv, float(sum(decode_lengths)),
+                              self.imbalance_bytes(decode_lengths), prefill_attn)
 
-    def _features(self, num_seqs: int, num_tokens: int, num_kv: int, num_attn: float,
-                  imbalance: float) -> Features:
+    def _features(self, num_seqs: int, num_tokens: int, num_kv: int, decode_attn: float,
+                  imbalance: float, prefill_attn: float = 0.0) -> Features:
         """`Features` from the iteration's counts: seqs, tokens computed, KV tokens held,
-        query-key pairs, and its imbalance bytes (`features`, `GrowingDecodeStep`)."""
+        query-key pairs of decodes and of prefill chunks, and its imbalance bytes
+        (`features`, `GrowingDecodeStep`)."""
         g = self.geometry
         flops = (g.dense_flops_per_token * num_tokens + g.lm_head_flops * num_seqs
-                 + self._attn_flops * num_attn)
+                 + self._attn_flops * (decode_attn + prefill_attn))
         return Features(num_seqs, self.weight_bytes + num_kv * self.kv_bytes_per_token,
-                        flops, imbalance)
+                        flops, imbalance, self._attn_flops * prefill_attn)
 
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
         """Attention time lost to imbalance, as extra bytes at the full bandwidth.
@@ -199,7 +205,8 @@ class CostModel:
         p = self.params
         roof = max(f.mem_bytes / self._bw, f.flops / self._rate)
         return (p.step_overhead + p.per_seq_overhead * f.num_seqs + roof
-                + p.imbalance_scale * f.imbalance_bytes / self._bw)
+                + p.imbalance_scale * f.imbalance_bytes / self._bw
+                + p.attention_slowdown * f.prefill_attention_flops / self._rate)
 
     def iteration_time(self, decode_lengths: Sequence[int],
                        prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:

@@ -21,7 +21,7 @@ from sim.cost import CostModel, CostParams, KernelKind, get_geometry
 from sim.hardware import get_hardware
 
 TRUE = CostParams(step_overhead=3e-3, per_seq_overhead=2e-4, bw_efficiency=0.4,
-                  flops_efficiency=0.3, imbalance_scale=0.7)
+                  flops_efficiency=0.3, imbalance_scale=0.7, attention_slowdown=4.0)
 
 
 def _records(kernel: KernelKind, n: int = 120, seed: int = 0,
@@ -54,6 +54,7 @@ def test_fit_recovers_the_constants_that_made_the_records(kernel: KernelKind,
     assert got.flops_efficiency == pytest.approx(TRUE.flops_efficiency, rel=0.05)
     if kernel == "per-seq":
         assert got.imbalance_scale == pytest.approx(TRUE.imbalance_scale, rel=0.05)
+    assert got.attention_slowdown == pytest.approx(TRUE.attention_slowdown, rel=0.05)
     assert calibration.median_rel_error < 0.01
 
 

@@ -63,6 +63,22 @@ def test_decode_is_memory_bound_and_big_prefill_is_compute_bound() -> None:
     assert model.prefill_time([2048]) > model.prefill_time([1024]) > model.prefill_time([16])
 
 
+def test_prefill_attention_slowdown_prices_query_key_pairs_of_prompts_only() -> None:
+    """A slowdown s makes each prefill attention FLOP cost (1 + s) matmul FLOPs; decodes, whose
+    attention reads the KV (memory-bound), and the 0 default keep the roofline as it was."""
+    hw = get_hardware("cpu")
+    base = CostModel(get_geometry("opt-125m"), hw, CostParams())
+    slow = CostModel(get_geometry("opt-125m"), hw, CostParams(attention_slowdown=3.0))
+    pairs = 500 * 501 / 2 + 300 * 301 / 2  # causal query-key pairs of two whole prompts
+    attention = 4.0 * 12 * 768 * pairs  # FLOPs: QK^T and PV, every layer
+    assert slow.features((), [(0, 500), (0, 300)]).prefill_attention_flops == attention
+    extra = slow.prefill_time([500, 300]) - base.prefill_time([500, 300])
+    assert extra == pytest.approx(3.0 * attention / (hw.matmul_rate * 0.6), rel=1e-9)
+    assert slow.iteration_time([900] * 16) == base.iteration_time([900] * 16)
+    chunk = 4.0 * 12 * 768 * (100 * 400 + 100 * 101 / 2)  # 100 new tokens over 400 cached
+    assert slow.features([50], [(400, 100)]).prefill_attention_flops == chunk
+
+
 def test_geometry_parameter_counts_match_the_model_names() -> None:
     assert get_geometry("opt-13b").num_params / 1e9 == pytest.approx(12.85, rel=0.02)
     assert get_geometry("opt-125m").num_params / 1e6 == pytest.approx(125, rel=0.02)
