@@ -123,7 +123,9 @@ def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
     q = _best_balance(feats, times, hw.memory_bandwidth, grid)
     coef, _ = _solve(feats, times, q, hw.memory_bandwidth)
     has_imbalance = any(f.imbalance_bytes > 0 for f in feats)
-    params = _to_params(coef, q, hw.memory_bandwidth, hw.matmul_rate, has_imbalance)
+    has_prefill = any(f.prefill_flops > 0 for f in feats)
+    params = _to_params(coef, q, hw.memory_bandwidth, hw.matmul_rate, has_imbalance,
+                        has_prefill)
     fitted = CostModel(nominal.geometry, hw, params, kernel)
     rel = [abs(fitted.time_of(f) / t - 1) for f, t in zip(feats, times)]
     return Calibration(params, geometry.name, hw.name, kernel, hw.dtype_bytes, len(rows),
@@ -155,9 +157,11 @@ _NOMINAL = CostParams(step_overhead=0.0, per_seq_overhead=0.0, bw_efficiency=1.0
 
 
 def _design(feats: Sequence[Features], q: float, bw: float) -> np.ndarray:
-    return np.array([[1.0, f.num_seqs, max(f.mem_bytes, q * f.flops) / bw,
-                      f.imbalance_bytes / bw, q * f.prefill_attention_flops / bw]
-                     for f in feats])
+    """Columns: per step, per seq, the roofline of everything but prompt tokens, imbalance,
+    and the prompt tokens' attention and all their FLOPs (priced apart: `CostParams`)."""
+    return np.array([[1.0, f.num_seqs, max(f.mem_bytes, q * (f.flops - f.prefill_flops)) / bw,
+                      f.imbalance_bytes / bw, q * f.prefill_attention_flops / bw,
+                      q * f.prefill_flops / bw] for f in feats])
 
 
 def _solve(feats: Sequence[Features], times: np.ndarray, q: float,
@@ -205,20 +209,22 @@ def _refine(feats: Sequence[Features], times: np.ndarray, bw: float, lo: float,
     return math.exp((a + b) / 2)
 
 
-def _to_params(coef: np.ndarray, q: float, bw: float, rate: float,
-               has_imbalance: bool) -> CostParams:
+def _to_params(coef: np.ndarray, q: float, bw: float, rate: float, has_imbalance: bool,
+               has_prefill: bool) -> CostParams:
     """max(m / (bw be), f / (rate fe)) = c2 max(m, q f) / bw with be = 1 / c2 and
-    q = bw be / (rate fe); the imbalance term c3 imb / bw = scale imb / (bw be), and the
-    prefill attention term c4 q a / bw = slowdown a / (rate fe). Records without imbalance
-    (split-k) say nothing about its scale: it keeps its default (as the slowdown keeps 0
-    without prefill chunks, whose column is then all zeros)."""
+    q = bw be / (rate fe); the imbalance term c3 imb / bw = scale imb / (bw be); the prompt
+    tokens' (c5 q p + c4 q a) / bw = (p + slowdown a) / (rate pe), so pe = bw / (c5 q rate)
+    and slowdown = c4 / c5. Records without imbalance (split-k) say nothing about its
+    scale, nor records without prompt tokens about theirs: those keep their defaults."""
     c2 = max(float(coef[2]), 1e-9)
     bw_eff = 1.0 / c2
+    c5 = max(float(coef[5]), 1e-12)
     return CostParams(step_overhead=max(float(coef[0]), 0.0),
                       per_seq_overhead=max(float(coef[1]), 0.0), bw_efficiency=bw_eff,
                       flops_efficiency=bw * bw_eff / (rate * q),
                       imbalance_scale=max(float(coef[3]), 0.0) / c2 if has_imbalance else 1.0,
-                      attention_slowdown=max(float(coef[4]), 0.0) / c2)
+                      prefill_flops_efficiency=bw / (c5 * q * rate) if has_prefill else None,
+                      attention_slowdown=max(float(coef[4]), 0.0) / c5 if has_prefill else 0.0)
 
 
 def _int(record: Record, key: str) -> int:

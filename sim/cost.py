@@ -102,8 +102,12 @@ class CostParams:
     bw_efficiency: float = 0.8  # achieved share of the nominal memory bandwidth
     flops_efficiency: float = 0.6  # achieved share of the nominal matmul rate
     imbalance_scale: float = 1.0  # weight of the attention imbalance term
-    # Prefill attention's time per FLOP beyond the matmuls' (0: both at the matmul rate;
-    # on the CPU, one SDPA call per prompt runs far slower per FLOP than the GEMMs).
+    # Prompt tokens priced apart from the step's roofline, at their own share of the matmul
+    # rate (None: inside it, at flops_efficiency). On the CPU a GEMM of a few decode rows
+    # runs far below its rate at a prompt's hundreds (benchmarks/RESULTS.md §19).
+    prefill_flops_efficiency: float | None = None
+    # Prefill attention's time per FLOP beyond the matmuls' (0: both at the same rate; on
+    # the CPU, one SDPA call per prompt runs far slower per FLOP than the GEMMs).
     attention_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
@@ -111,8 +115,8 @@ class CostParams:
                      "attention_slowdown"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
-        for name in ("bw_efficiency", "flops_efficiency"):
-            if not getattr(self, name) > 0:
+        for name in ("bw_efficiency", "flops_efficiency", "prefill_flops_efficiency"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be > 0")
 
 
@@ -123,7 +127,8 @@ class Features(NamedTuple):
     mem_bytes: float  # weights + KV read and written
     flops: float
     imbalance_bytes: float  # extra bytes-equivalent of attention imbalance (>= 0)
-    prefill_attention_flops: float = 0.0  # the query-key FLOPs of prefill chunks (in flops)
+    prefill_flops: float = 0.0  # the FLOPs of prefill chunks' tokens (in flops)
+    prefill_attention_flops: float = 0.0  # their query-key FLOPs (in prefill_flops)
 
 
 class CostModel:
@@ -143,6 +148,9 @@ class CostModel:
         self._attn_flops = 4.0 * geometry.num_layers * geometry.hidden_size  # per query-key
         self._bw = hardware.memory_bandwidth * self.params.bw_efficiency
         self._rate = hardware.matmul_rate * self.params.flops_efficiency
+        prefill_efficiency = self.params.prefill_flops_efficiency
+        self._prefill_rate = (None if prefill_efficiency is None
+                              else hardware.matmul_rate * prefill_efficiency)
 
     def features(self, decode_lengths: Sequence[int],
                  prefill_chunks: Sequence[tuple[int, int]] = ()) -> Features:
@@ -153,26 +161,28 @@ class CostModel:
             prefill_chunks: ``(num_computed, num_new)`` of each prefill (or chunk) seq.
         """
         num_kv = sum(decode_lengths)
-        num_tokens = len(decode_lengths)
-        prefill_attn = 0.0
+        prefill_tokens, prefill_attn = 0, 0.0
         for start, num_new in prefill_chunks:
             num_kv += start + num_new
-            num_tokens += num_new
+            prefill_tokens += num_new
             prefill_attn += num_new * start + num_new * (num_new + 1) / 2
         num_seqs = len(decode_lengths) + len(prefill_chunks)
-        return self._features(num_seqs, num_tokens, num_kv, float(sum(decode_lengths)),
-                              self.imbalance_bytes(decode_lengths), prefill_attn)
+        return self._features(num_seqs, len(decode_lengths), num_kv, float(sum(decode_lengths)),
+                              self.imbalance_bytes(decode_lengths), prefill_tokens, prefill_attn)
 
-    def _features(self, num_seqs: int, num_tokens: int, num_kv: int, decode_attn: float,
-                  imbalance: float, prefill_attn: float = 0.0) -> Features:
-        """`Features` from the iteration's counts: seqs, tokens computed, KV tokens held,
-        query-key pairs of decodes and of prefill chunks, and its imbalance bytes
-        (`features`, `GrowingDecodeStep`)."""
+    def _features(self, num_seqs: int, num_decodes: int, num_kv: int, decode_attn: float,
+                  imbalance: float, prefill_tokens: int = 0,
+                  prefill_attn: float = 0.0) -> Features:
+        """`Features` from the iteration's counts: seqs, decode tokens, KV tokens held,
+        query-key pairs of decodes, imbalance bytes, and prefill chunks' tokens and
+        query-key pairs (`features`, `GrowingDecodeStep`)."""
         g = self.geometry
-        flops = (g.dense_flops_per_token * num_tokens + g.lm_head_flops * num_seqs
-                 + self._attn_flops * (decode_attn + prefill_attn))
+        prefill_attention = self._attn_flops * prefill_attn
+        prefill = g.dense_flops_per_token * prefill_tokens + prefill_attention
+        flops = (g.dense_flops_per_token * num_decodes + g.lm_head_flops * num_seqs
+                 + self._attn_flops * decode_attn + prefill)
         return Features(num_seqs, self.weight_bytes + num_kv * self.kv_bytes_per_token,
-                        flops, imbalance, self._attn_flops * prefill_attn)
+                        flops, imbalance, prefill, prefill_attention)
 
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
         """Attention time lost to imbalance, as extra bytes at the full bandwidth.
@@ -203,10 +213,14 @@ class CostModel:
     def time_of(self, f: Features) -> float:
         """Seconds for an iteration with features `f`."""
         p = self.params
-        roof = max(f.mem_bytes / self._bw, f.flops / self._rate)
-        return (p.step_overhead + p.per_seq_overhead * f.num_seqs + roof
-                + p.imbalance_scale * f.imbalance_bytes / self._bw
-                + p.attention_slowdown * f.prefill_attention_flops / self._rate)
+        overheads = (p.step_overhead + p.per_seq_overhead * f.num_seqs
+                     + p.imbalance_scale * f.imbalance_bytes / self._bw)
+        if self._prefill_rate is None:  # prompt tokens inside the roofline
+            return (overheads + max(f.mem_bytes / self._bw, f.flops / self._rate)
+                    + p.attention_slowdown * f.prefill_attention_flops / self._rate)
+        roof = max(f.mem_bytes / self._bw, (f.flops - f.prefill_flops) / self._rate)
+        return (overheads + roof + (f.prefill_flops + p.attention_slowdown
+                                    * f.prefill_attention_flops) / self._prefill_rate)
 
     def iteration_time(self, decode_lengths: Sequence[int],
                        prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:

@@ -21,7 +21,8 @@ from sim.cost import CostModel, CostParams, KernelKind, get_geometry
 from sim.hardware import get_hardware
 
 TRUE = CostParams(step_overhead=3e-3, per_seq_overhead=2e-4, bw_efficiency=0.4,
-                  flops_efficiency=0.3, imbalance_scale=0.7, attention_slowdown=4.0)
+                  flops_efficiency=0.3, imbalance_scale=0.7, prefill_flops_efficiency=0.5,
+                  attention_slowdown=4.0)
 
 
 def _records(kernel: KernelKind, n: int = 120, seed: int = 0,
@@ -51,9 +52,11 @@ def test_fit_recovers_the_constants_that_made_the_records(kernel: KernelKind,
     assert got.step_overhead == pytest.approx(TRUE.step_overhead, rel=0.05)
     assert got.per_seq_overhead == pytest.approx(TRUE.per_seq_overhead, rel=0.05)
     assert got.bw_efficiency == pytest.approx(TRUE.bw_efficiency, rel=0.05)
-    assert got.flops_efficiency == pytest.approx(TRUE.flops_efficiency, rel=0.05)
+    # (flops_efficiency is not identified: no decode step here is compute-bound, and the
+    # prompt tokens, which are, have their own rate.)
     if kernel == "per-seq":
         assert got.imbalance_scale == pytest.approx(TRUE.imbalance_scale, rel=0.05)
+    assert got.prefill_flops_efficiency == pytest.approx(TRUE.prefill_flops_efficiency, rel=0.05)
     assert got.attention_slowdown == pytest.approx(TRUE.attention_slowdown, rel=0.05)
     assert calibration.median_rel_error < 0.01
 
