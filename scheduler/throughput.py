@@ -184,18 +184,25 @@ class AlignedPolicy(AlignedStrictPolicy):
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:
         """(None while a request starves, as ``aligned-strict``.) Pooled requests in the
-        window, shortest first while they fit; oldest first where ``alignment_pays`` says
-        no (shortest first would leave the long ones for a tail of small batches)."""
+        window, shortest first while they fit; where ``alignment_pays`` says no, of any
+        length, oldest first, as fcfs refills.
+
+        NOTE: benchmarks/RESULTS.md §19. Oldest first within the window still kept the long
+        requests out: on the issue's paged workload (64 requests, 10 % long, decode memory
+        for ~4 long ones) the window of a running batch of short seqs matched only short
+        ones, the long ones waited for the end, and `aligned` closed each run with ~65
+        decode steps of 1-3 long seqs (fcfs: 3), 0.95x fcfs's tok/s in two of three
+        repeats."""
         if self.starving_request(now) is not None or self.alignment_pays():
             return super().matching(lo, hi, max_blocks, max_requests, now)
-        return take_in_order(self.tree.oldest_first(lo, hi), max_blocks, max_requests)
+        return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
 
-    def alignment_pays(self) -> bool:
+    def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
         """Whether the model charges a batch for its spread of lengths: a full batch of half
-        the pool's shortest and half its longest seqs is predicted slower than one of the
-        same size and the same total KV in equal lengths (padded attention pays for the
-        longest, a per-sequence kernel for its imbalance; a paged or split-K step costs its
-        total work, so there grouping by length cannot pay).
+        the pool's (or ``lengths``') shortest and half its longest seqs is predicted slower
+        than one of the same size and the same total KV in equal lengths (padded attention
+        pays for the longest, a per-sequence kernel for its imbalance; a paged or split-K
+        step costs its total work, so there grouping by length cannot pay).
 
         NOTE: benchmarks/RESULTS.md §16, eighth stop. Where it cannot, density-first search
         still chose the densest, shortest subtrees and left the longest requests for last:
@@ -203,15 +210,18 @@ class AlignedPolicy(AlignedStrictPolicy):
         `aligned` ended each run with ~44 decode steps of 1-6 long seqs (3.1 s, against
         fcfs's 24 and 0.9 s) and a P99 TPOT 1.7x fcfs's. There the pool is served oldest
         first, as fcfs serves it."""
-        root = self.tree.root
-        if root.num_requests < 2:
-            return False
-        shortest = next(root.requests())[0]
-        longest = next(root.requests(reverse=True))[0]
+        if lengths:
+            shortest, longest = min(lengths), max(lengths)
+        else:
+            root = self.tree.root
+            if root.num_requests < 2:
+                return False
+            shortest = next(root.requests())[0]
+            longest = next(root.requests(reverse=True))[0]
         half = max(1, self._slots // 2)
         middle = (shortest + longest) // 2
-        spread = self.step_time([shortest] * half + [longest] * half)
-        equal = self.step_time([middle] * half + [shortest + longest - middle] * half)
+        spread = self._time([shortest] * half + [longest] * half)
+        equal = self._time([middle] * half + [shortest + longest - middle] * half)
         return spread > equal * (1 + SPREAD_TOLERANCE)
 
     @staticmethod
@@ -275,11 +285,18 @@ class AlignedPolicy(AlignedStrictPolicy):
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+        running = [s.length for s in view.running]
+        # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay, evictions and refills
+        # go as fcfs's: the most recent arrival goes first, and refills strictly in arrival
+        # order. Evicting the longest and skipping a long candidate that did not fit yet let
+        # the shorter ones behind it take every block freed; the long ones decoded alone at
+        # the end (a tail of ~65 steps of 1-3 seqs on the issue's paged workload).
+        fifo = not self.alignment_pays([*running, *(s.length for s in view.candidate_requests)])
         if reserve > view.free_blocks:
-            evict = plan_evictions(view, lambda: self._victims(view))
+            evict = plan_evictions(view, lambda: (
+                by_arrival(view.running)[::-1] if fifo else self._victims(view)))
             if evict:
                 return BoundaryPlan(evict=evict)
-        running = [s.length for s in view.running]
         if running and view.candidate_requests:  # a refill may follow: its step, costed
             # once for the stall bound and the refill's first question alike
             step = growing_step(self.step_time, running, self._time)
@@ -291,13 +308,14 @@ class AlignedPolicy(AlignedStrictPolicy):
         view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
         current = ([s for s in view.running if s.batch_id == view.current_batch_id]
                    if view.candidate_requests else [])  # only refills look at it
-        requests = self._closest_first(view, current)
+        requests = by_arrival(view.candidate_requests) if fifo else self._closest_first(
+            view, current)
         batch = by_arrival(view.candidate_batch)
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
-            return plan_admissions(view, requests, batch, is_strict=False,
+            return plan_admissions(view, requests, batch, is_strict=fifo,
                                    accepts=self._lowers_waste, reserve=reserve,
                                    lengths=running)
-        plan = plan_admissions(view, requests, [], is_strict=False,
+        plan = plan_admissions(view, requests, [], is_strict=fifo,
                                accepts=self._lowers_waste, reserve=reserve, lengths=running)
         if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
             return plan
