@@ -286,12 +286,14 @@ class AlignedPolicy(AlignedStrictPolicy):
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
         running = [s.length for s in view.running]
-        # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay, evictions and refills
-        # go as fcfs's: the most recent arrival goes first, and refills strictly in arrival
-        # order. Evicting the longest and skipping a long candidate that did not fit yet let
-        # the shorter ones behind it take every block freed; the long ones decoded alone at
-        # the end (a tail of ~65 steps of 1-3 seqs on the paged workload).
-        fifo = not self.alignment_pays([*running, *(s.length for s in view.candidate_requests)])
+        # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay (over the pool nor over
+        # the lengths at hand), evictions and refills go as fcfs's: the most recent arrival
+        # goes first, and refills strictly in arrival order. Evicting the longest and
+        # skipping a long candidate that did not fit yet let the shorter ones behind it take
+        # every block freed; the long ones decoded alone at the end (a tail of ~65 steps of
+        # 1-3 seqs on the paged workload).
+        fifo = not (self.alignment_pays() or self.alignment_pays(
+            [*running, *(s.length for s in view.candidate_requests)]))
         if reserve > view.free_blocks:
             evict = plan_evictions(view, lambda: (
                 by_arrival(view.running)[::-1] if fifo else self._victims(view)))
