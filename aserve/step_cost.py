@@ -89,15 +89,8 @@ class EngineStepCost:
         record, as the module's docstring warns: its aligned steps cannot tell imbalance
         from per-seq overhead. It then mixed lengths and paid 475 padded KV tokens per
         generated token instead of 367 (59.5 against 66.8 tok/s). The probe's steps, whose
-        lengths differ by design, keep that weight pinned; the records refine the rest.
-
-        NOTE: benchmarks/RESULTS.md §19. The records are read by their shortest and longest
-        prefix (lengths spread evenly between them), not by each seq's: fitted to the exact
-        lengths, the same padded runs' records gave the spread a lower price (imbalance
-        weight 2.2 and 1.7 against 3.4 and 2.4), and this greedy policy, which decides one
-        boundary at a time, then mixed lengths (460-487 padded KV tokens per generated token
-        against 361-366) and lost a quarter of its lead over fcfs (1.37x against 1.64x)."""
-        rows = [{**dataclasses.asdict(r), "lengths": (), "new_tokens": ()} for r in self.records
+        lengths differ by design, keep that weight pinned; the records refine the rest."""
+        rows = [dataclasses.asdict(r) for r in self.records
                 if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
         self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
         if len(rows) < FIRST_FIT // 2:

@@ -149,6 +149,7 @@ class QuadTree:
             width *= NUM_CHILDREN
         self.root = QuadNode(0, width, None, 0, is_leaf=width <= leaf_width)
         self._entries: dict[str, tuple[PooledRequest, QuadNode]] = {}
+        self._by_arrival = SortedList()  # (arrival_time, request_id) of every request
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -189,6 +190,7 @@ class QuadTree:
             node = node._child_for(length)
         node._leaf_add(request_id, info)
         self._entries[request_id] = (info, node)
+        self._by_arrival.add((arrival_time, request_id))
 
     def remove(self, request_id: str) -> PooledRequest:
         """Remove a request and return what the tree knew. Raises KeyError if unknown."""
@@ -197,6 +199,7 @@ class QuadTree:
             raise KeyError(f"request_id {request_id!r} is not in the quad-tree")
         info, leaf = found
         leaf._leaf_drop(request_id, info)
+        self._by_arrival.remove((info.arrival_time, request_id))
         node = leaf.parent
         while node is not None:
             node._inner_drop(info)
@@ -253,12 +256,17 @@ class QuadTree:
 
     def oldest_first(self, lo: int = 0, hi: int | None = None) -> Iterator[tuple[str, int]]:
         """``(request_id, num_blocks)`` with ``lo <= length <= hi`` (any length by default),
-        earliest arrival_time first; lazy: a merge of the leaves' arrival orders, so taking
-        k requests costs O(leaves + k log leaves), not a pass over the pool."""
+        earliest arrival_time first; lazy: the tree's own arrival order for the whole pool
+        (taking k requests costs O(k)), else a merge of the leaves' arrival orders, so
+        taking k costs O(leaves + k log leaves), not a pass over the pool."""
+        entries = self._entries
+        if lo <= 0 and hi is None:  # the whole pool: one sorted list, no merge of the leaves
+            for _, request_id in self._by_arrival:
+                yield request_id, entries[request_id][0].num_blocks
+            return
         top = self.max_len if hi is None else hi
         leaves = [leaf._by_arrival for leaf in self.root.leaves()
                   if leaf._by_arrival and leaf.hi > lo and leaf.lo <= top]
-        entries = self._entries
         for _, request_id in heapq.merge(*leaves):
             info = entries[request_id][0]
             if lo <= info.length <= top:

@@ -74,6 +74,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         self._times: dict[tuple[int, ...], float] = {}
         self._last_times: dict[tuple[int, ...], float] = {}
         self._last_arrival = -math.inf  # the latest arrival seen so far (starvation_clock)
+        self._pays: dict[tuple[int, int], bool] = {}  # alignment_pays by (shortest, longest)
 
     def add(self, seq: SeqView) -> None:
         super().add(seq)
@@ -102,6 +103,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         changed = key != self._line_key
         if changed:
             self._line, self._line_key = None, key
+            self._pays.clear()
         self._refill = None
         self._running_step = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
@@ -193,14 +195,15 @@ class AlignedPolicy(AlignedStrictPolicy):
         ones, the long ones waited for the end, and `aligned` closed each run with ~65
         decode steps of 1-3 long seqs (fcfs: 3), 0.95x fcfs's tok/s in two of three
         repeats."""
-        if self.starving_request(now) is not None or self.alignment_pays():
+        if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
             return super().matching(lo, hi, max_blocks, max_requests, now)
         return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
 
     def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
         """Whether the model charges a batch for its spread of lengths: a full batch of half
-        the pool's (or ``lengths``') shortest and half its longest seqs is predicted slower
-        than one of the same size and the same total KV in equal lengths (padded attention
+        the shortest and half the longest of the pool and ``lengths`` (a running batch's
+        window, the lengths at a boundary) is predicted slower than one of the same size
+        and the same total KV in equal lengths (padded attention
         pays for the longest, a per-sequence kernel for its imbalance; a paged or split-K
         step costs its total work, so there grouping by length cannot pay).
 
@@ -210,19 +213,26 @@ class AlignedPolicy(AlignedStrictPolicy):
         `aligned` ended each run with ~44 decode steps of 1-6 long seqs (3.1 s, against
         fcfs's 24 and 0.9 s) and a P99 TPOT 1.7x fcfs's. There the pool is served oldest
         first, as fcfs serves it."""
-        if lengths:
-            shortest, longest = min(lengths), max(lengths)
-        else:
-            root = self.tree.root
-            if root.num_requests < 2:
-                return False
-            shortest = next(root.requests())[0]
-            longest = next(root.requests(reverse=True))[0]
-        half = max(1, self._slots // 2)
-        middle = (shortest + longest) // 2
-        spread = self._time([shortest] * half + [longest] * half)
-        equal = self._time([middle] * half + [shortest + longest - middle] * half)
-        return spread > equal * (1 + SPREAD_TOLERANCE)
+        # NOTE: benchmarks/RESULTS.md §19. The pool alone near the end of a backlog holds one
+        # request or none, and then says nothing: dynamic prefetch took any length, and a
+        # padded run mixed its last long requests into short batches (460-495 padded KV
+        # tokens per generated token against 362-375).
+        root = self.tree.root
+        if root.num_requests:
+            lengths = [*lengths, next(root.requests())[0], next(root.requests(reverse=True))[0]]
+        if not lengths:
+            return False
+        shortest, longest = min(lengths), max(lengths)
+        if shortest == longest:
+            return False
+        pays = self._pays.get((shortest, longest))
+        if pays is None:  # asked at every boundary: once per pair of lengths and model
+            half = max(1, self._slots // 2)
+            middle = (shortest + longest) // 2
+            spread = self._time([shortest] * half + [longest] * half)
+            equal = self._time([middle] * half + [shortest + longest - middle] * half)
+            pays = self._pays[shortest, longest] = spread > equal * (1 + SPREAD_TOLERANCE)
+        return pays
 
     @staticmethod
     def _first_fork(node: QuadNode, max_blocks: int) -> QuadNode | None:
@@ -292,8 +302,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         # skipping a long candidate that did not fit yet let the shorter ones behind it take
         # every block freed; the long ones decoded alone at the end (a tail of ~65 steps of
         # 1-3 seqs on the issue's paged workload).
-        fifo = not (self.alignment_pays() or self.alignment_pays(
-            [*running, *(s.length for s in view.candidate_requests)]))
+        fifo = not self.alignment_pays([*running, *(s.length for s in view.candidate_requests)])
         if reserve > view.free_blocks:
             evict = plan_evictions(view, lambda: (
                 by_arrival(view.running)[::-1] if fifo else self._victims(view)))

@@ -83,7 +83,9 @@ def test_oldest_first_is_arrival_order_within_the_range(ops: list, lo: int, span
     assert sorted(got) == sorted(expected)  # the same requests, each once
     arrivals = [model[k][2] for k, _ in got]
     assert arrivals == sorted(arrivals)  # oldest first (ties in any order)
-    assert sorted(tree.oldest_first()) == sorted((k, v[1]) for k, v in model.items())
+    whole = list(tree.oldest_first())  # the whole pool: the tree's own arrival order
+    assert sorted(whole) == sorted((k, v[1]) for k, v in model.items())
+    assert [model[k][2] for k, _ in whole] == sorted(v[2] for v in model.values())
 
 
 def test_membership_and_lookup() -> None:
