@@ -195,6 +195,17 @@ def test_aligned_matches_any_length_oldest_first_where_a_step_costs_its_total_wo
         "r1", "r2", "r4", "r5"]
 
 
+def test_aligned_keeps_the_window_when_the_pool_has_drained_to_one_long_request() -> None:
+    """A pool of one request shows no spread by itself; with the running batch's window it
+    does under a padded cost, so the long request stays out of the short batch (a padded run
+    mixed its last long requests in: benchmarks/RESULTS.md §19). Under a total-work cost it
+    comes in, oldest first, as fcfs's would."""
+    for step_time, expected in ((padded_step_time, []), (None, ["long"])):
+        policy = get_policy("aligned", PolicyConfig(min_requests=1), step_time)
+        policy.add(SeqView("long", 900, 57, arrival_time=0.0))
+        assert policy.matching(40, 60, max_blocks=200, max_requests=4, now=1.0) == expected
+
+
 def test_matching_returns_pool_requests_in_the_window_shortest_first() -> None:
     policy = get_policy("aligned-loose", PolicyConfig())  # the window widened by match_slack
     for seq_id, length in [("x", 90), ("y", 105), ("z", 120), ("w", 200)]:
