@@ -203,9 +203,9 @@ class AlignedPolicy(AlignedStrictPolicy):
         """Whether the model charges a batch for its spread of lengths: a full batch of half
         the shortest and half the longest of the pool and ``lengths`` (a running batch's
         window, the lengths at a boundary) is predicted slower than one of the same size
-        and the same total KV in equal lengths (padded attention
-        pays for the longest, a per-sequence kernel for its imbalance; a paged or split-K
-        step costs its total work, so there grouping by length cannot pay).
+        and the same total KV in equal lengths (padded attention pays for the longest, a
+        per-sequence kernel for its imbalance; a paged or split-K step costs its total
+        work, so there grouping by length cannot pay).
 
         NOTE: benchmarks/RESULTS.md §16, eighth stop. Where it cannot, density-first search
         still chose the densest, shortest subtrees and left the longest requests for last:

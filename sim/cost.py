@@ -160,14 +160,14 @@ class CostModel:
             decode_lengths: KV length (tokens, the new one included) of each decode seq.
             prefill_chunks: ``(num_computed, num_new)`` of each prefill (or chunk) seq.
         """
-        num_kv = sum(decode_lengths)
-        prefill_tokens, prefill_attn = 0, 0.0
+        decode_kv = sum(decode_lengths)
+        num_kv, prefill_tokens, prefill_attn = decode_kv, 0, 0.0
         for start, num_new in prefill_chunks:
             num_kv += start + num_new
             prefill_tokens += num_new
             prefill_attn += num_new * start + num_new * (num_new + 1) / 2
         num_seqs = len(decode_lengths) + len(prefill_chunks)
-        return self._features(num_seqs, len(decode_lengths), num_kv, float(sum(decode_lengths)),
+        return self._features(num_seqs, len(decode_lengths), num_kv, float(decode_kv),
                               self.imbalance_bytes(decode_lengths), prefill_tokens, prefill_attn)
 
     def _features(self, num_seqs: int, num_decodes: int, num_kv: int, decode_attn: float,
