@@ -52,6 +52,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_prefill_blocks: int = 1024  # scratch KV on each prefill instance (blocks)
     num_staging_blocks: int = 1024  # candidate buffers on each prefill device (blocks)
     host_pool_gb: float = 2.0  # host KV pool capacity (GiB)
+    # Stores on one device (a CPU-only engine's four; a GPU's scratch and staging) share one
+    # KV tensor, and a move between them hands the block table over instead of copying it
+    # (transport/blocks.py). False: a tensor per store and a copy per move, as between devices.
+    share_kv_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_decode_blocks", "num_prefill_blocks"):
@@ -272,6 +276,10 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         help="candidate-buffer KV blocks on each prefill device")
     add("--host-pool-gb", type=float, default=d("host_pool_gb", c.host_pool_gb),
         help="host KV pool capacity (GiB)")
+    add("--share-kv-memory", action=argparse.BooleanOptionalAction,
+        default=d("share_kv_memory", c.share_kv_memory),
+        help="KV stores on one device share one tensor and move KV by handing block tables "
+             "over (no copy)")
     add("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int, metavar="N",
         default=d("max_batch_size", s.max_batch_size),
         help="most sequences in one decode iteration")
@@ -303,8 +311,8 @@ HELP_FORMATTER = HelpFormatter
 _ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "attention", "max_position_embeddings", "policy",
     "block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
-    "host_pool_gb", "max_batch_size", "max_prefill_tokens", "min_requests", "max_waiting",
-    "max_spread", "seed", "weights_seed",
+    "host_pool_gb", "share_kv_memory", "max_batch_size", "max_prefill_tokens", "min_requests",
+    "max_waiting", "max_spread", "seed", "weights_seed",
 )
 
 
@@ -322,6 +330,8 @@ def engine_config_from_args(args: argparse.Namespace, env: Mapping[str, str]) ->
         if isinstance(value, str) and types.get(name) in ("int", "float", "int | None",
                                                           "float | None"):
             value = float(value) if types[name].startswith("float") else int(value)
+        elif isinstance(value, str) and types.get(name) == "bool":
+            value = value.strip().lower() in ("1", "true", "yes", "on")
         kwargs[name] = value
     prefill = args.prefill_devices or _split(env.get(ENV_PREFIX + "PREFILL_DEVICES", "cpu"))
     decode = args.decode_devices or _split(env.get(ENV_PREFIX + "DECODE_DEVICES", "cpu"))

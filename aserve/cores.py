@@ -42,7 +42,7 @@ from scheduler import (
     SeqView,
     ceil_div,
 )
-from transport.blocks import BlockAllocator
+from transport.blocks import BlockAllocator, BlockPool
 
 if TYPE_CHECKING:
     from aserve.config import SchedulerConfig
@@ -60,7 +60,9 @@ MATCH_STAGING_SHARE = 0.5  # at most this share of free staging goes to matching
 @dataclass(frozen=True, slots=True)
 class Move:
     """Copy `seq`'s KV from store `src` to store `dst` (the destination is already
-    allocated); the driver copies, then calls the core's `landed` (or `failed`)."""
+    allocated); the driver copies, then calls the core's `landed` (or `failed`). Between
+    two stores of one KV tensor (`handover`) nothing is copied: the destination's room is
+    reserved, and the commit hands the block table over."""
 
     seq: Sequence
     src: str
@@ -68,6 +70,7 @@ class Move:
     num_blocks: int
     # a fork (n > 1): the parent's block ids to copy from, in the same store (`src == dst`)
     src_ids: tuple[int, ...] | None = None
+    handover: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +306,23 @@ def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
     return stores
 
 
+HOST_DEVICE = "cpu"  # the host pool's memory
+
+
+def kv_allocators(stores: Mapping[str, tuple[str, int]], block_size: int,
+                  share_memory: bool) -> dict[str, BlockAllocator]:
+    """An allocator per store (`kv_stores`' and the host pool's: name -> (device, blocks));
+    with `share_memory` the stores on one device draw from one `BlockPool` (one KV tensor),
+    each within its own blocks, and a move between two of them is a hand-over. One layout,
+    both drivers."""
+    totals: dict[str, int] = {}
+    for device, num_blocks in stores.values():
+        totals[device] = totals.get(device, 0) + num_blocks
+    pools = {dev: BlockPool(n) for dev, n in totals.items()} if share_memory else {}
+    return {name: BlockAllocator(n, block_size, name, pools.get(dev))
+            for name, (dev, n) in stores.items()}
+
+
 # -- kv -------------------------------------------------------------------------------
 # BlockLedger: the block tables of every KV store of one engine (or simulated cluster), by
 # store name, and the bookkeeping of a KV move (reserve, then commit or cancel).
@@ -349,6 +369,7 @@ class BlockLedger:
     def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None) -> Move | None:
         """Allocates room for `seq`'s KV (its `num_computed_tokens` entries) in store `dst`;
         None (nothing changed) when `dst` is full. The source keeps the KV until `commit`.
+        Where both stores share one KV tensor, the room is only reserved (a hand-over).
 
         With `parent` (a fork: n samples of one prompt share its prefill), `seq` holds no KV
         yet and gets a copy of the parent's first entries in the parent's store, `dst`. The
@@ -357,14 +378,22 @@ class BlockLedger:
         """
         source = parent or seq
         assert source.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
-        dst_ids = self.allocators[dst].allocate(seq.seq_id, max(seq.num_computed_tokens, 1))
+        num_tokens = max(seq.num_computed_tokens, 1)
+        dst_allocator = self.allocators[dst]
+        if parent is None and dst_allocator.shares_memory(self.allocators[seq.location]):
+            num_blocks = self.blocks_for(num_tokens)
+            if not dst_allocator.reserve(seq.seq_id, num_blocks):
+                return None
+            return Move(seq, seq.location, dst, num_blocks, handover=True)
+        dst_ids = dst_allocator.allocate(seq.seq_id, num_tokens)
         if dst_ids is None:
             return None
         src_ids = tuple(self.table(parent)[:len(dst_ids)]) if parent else None
         return Move(seq, source.location, dst, len(dst_ids), src_ids)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
-        """(source ids, destination ids) of `move`, aligned block for block."""
+        """(source ids, destination ids) of a copy `move`, aligned block for block."""
+        assert not move.handover, f"{move.seq.seq_id}: a hand-over copies nothing"
         dst_ids = self.allocators[move.dst].table(move.seq.seq_id)
         if move.src_ids is not None:
             return list(move.src_ids), dst_ids
@@ -372,8 +401,10 @@ class BlockLedger:
 
     def commit(self, move: Move, start_time: float, end_time: float) -> None:
         """The copy landed: the source blocks are freed (a fork's belong to its parent and
-        stay) and `seq` lives in `dst`."""
-        if move.src_ids is None:
+        stay) and `seq` lives in `dst`; a hand-over's table changes stores."""
+        if move.handover:
+            self.allocators[move.dst].adopt(move.seq.seq_id, self.allocators[move.src])
+        elif move.src_ids is None:
             self.allocators[move.src].free(move.seq.seq_id)
         move.seq.location = move.dst
         self.transfers.append(TransferRecord(move.seq.seq_id, move.src, move.dst,
@@ -382,7 +413,10 @@ class BlockLedger:
     def cancel(self, move: Move) -> None:
         """The copy failed: the destination blocks are freed, the source keeps the KV (a
         fork then holds none)."""
-        self.allocators[move.dst].free(move.seq.seq_id)
+        if move.handover:
+            self.allocators[move.dst].unreserve(move.seq.seq_id)
+        else:
+            self.allocators[move.dst].free(move.seq.seq_id)
 
     def limits(self, uses_pool: bool) -> dict[str, int]:
         """The most blocks one request may hold, by the setting that sets it: every store it

@@ -28,7 +28,17 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.core import Sequence
-from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
+from aserve.cores import (
+    HOST_DEVICE,
+    BlockLedger,
+    Core,
+    Forward,
+    Lifecycle,
+    Move,
+    Wiring,
+    kv_allocators,
+    kv_stores,
+)
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
 from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
@@ -114,6 +124,9 @@ class Actor:
             self._decided = 0.0
         elif self.device is None:  # the batcher: orders overlap, as in the simulator
             for move in work:
+                if move.handover:  # lands at once: nothing to overlap
+                    await self.carry_out(move)
+                    continue
                 task = asyncio.create_task(self.carry_out(move))
                 self._copies.add(task)
                 task.add_done_callback(self._copies.discard)
@@ -154,17 +167,29 @@ class KVSpace(BlockLedger):
     def __init__(self, config: EngineConfig, geometry: KVGeometry,
                  device_executors: Mapping[str, Executor] | None = None) -> None:
         pin = torch.cuda.is_available()
-        stores = [KVStore(name, geometry, num_blocks, torch.device(dev))
-                  for name, (dev, num_blocks) in kv_stores(
-                      config.prefill_devices, config.decode_devices, config.cache).items()]
-        stores.append(KVStore.with_capacity_bytes("host", geometry, config.cache.host_pool_bytes,
-                                                  torch.device("cpu"), pin_memory=pin))
-        for store in stores:
-            if store.name.startswith(("prefill", "decode")):
-                # NOTE: a step reads most of its cache; its blocks are untouched yet (KVStore
-                # allocates with torch.empty), so they fault in as huge pages on the CPU:
-                # fewer TLB misses per step (benchmarks/RESULTS.md §10, issue 17)
-                advise_huge_pages(store.tensor)
+        layout = kv_stores(config.prefill_devices, config.decode_devices, config.cache)
+        host_blocks = config.cache.host_pool_bytes // geometry.bytes_per_block
+        if host_blocks < 1:
+            raise ValueError(f"host_pool_gb ({config.cache.host_pool_gb}) must hold >= 1 KV "
+                             f"block ({geometry.bytes_per_block} bytes)")
+        layout["host"] = (HOST_DEVICE, host_blocks)
+        allocators = kv_allocators(layout, geometry.block_size, config.cache.share_kv_memory)
+        tensors: dict[int, torch.Tensor] = {}  # one per BlockPool: stores in one memory
+        stores = []
+        for name, (dev, num_blocks) in layout.items():
+            pool = allocators[name].pool
+            members = [m.name for m in pool.members]
+            if id(pool) not in tensors:
+                tensors[id(pool)] = KVStore.new_tensor(
+                    geometry, pool.num_blocks, torch.device(dev),
+                    pin_memory=pin and "host" in members)
+                if any(m.startswith(("prefill", "decode")) for m in members):
+                    # NOTE: a step reads most of its cache; its blocks are untouched yet
+                    # (torch.empty), so they fault in as huge pages on the CPU: fewer TLB
+                    # misses per step (benchmarks/RESULTS.md §10, issue 17)
+                    advise_huge_pages(tensors[id(pool)])
+            stores.append(KVStore(name, geometry, num_blocks, torch.device(dev),
+                                  allocator=allocators[name], tensor=tensors[id(pool)]))
         self.stores: dict[str, KVStore] = {store.name: store for store in stores}
         super().__init__({s.name: s.allocator for s in stores}, geometry.block_size)
         self.copy_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-copy")
@@ -197,6 +222,10 @@ class KVSpace(BlockLedger):
     async def copy(self, move: Move, clock: Callable[[], float]) -> None:
         """Copies a reserved move's KV and commits it. If the copy fails the error
         propagates with nothing committed (the caller cancels the move)."""
+        if move.handover:  # one KV tensor: the table changes stores, nothing to copy
+            now = clock()
+            self.commit(move, now, now)
+            return
         src_ids, dst_ids = self.tables(move)
         engine, src, dst = (self.copy_engine(move.src, move.dst), self.stores[move.src],
                             self.stores[move.dst])

@@ -21,6 +21,7 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.core import (
+    IterationRecord,
     Request,
     RequestOutput,
     SamplingParams,
@@ -56,6 +57,9 @@ class Engine:
         self.ctx: EngineContext | None = None
         self.tokenizer: Tokenizer
         self.is_running = False
+        # the start-up probe's timed decode steps (aserve/step_cost.py `probe`): instance
+        # "probe", written first in the benchmark's iteration logs
+        self.probe_iterations: list[IterationRecord] = []
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -101,17 +105,19 @@ class Engine:
                                  max_len)
         # the cost-aware policy's step model: the runner's own if it has one (a test's
         # cost-model runner), else sim/cost.py's fitted to a start-up probe of the decode
-        # device, then to this engine's iteration records
+        # device (synthetic steps over chosen lengths and batch sizes, run whatever the
+        # policy: they are also every iteration log's calibration rows, as vLLM's profile
+        # run is run whatever the workload), then to this engine's iteration records
         decode_runner = runners[cfg.decode_devices[0]]
         step_time = getattr(decode_runner, "step_time", None)
         if step_time is None:
-            probed = await decode_runner.call(
+            self.probe_iterations = await decode_runner.call(
                 probe, decode_runner, kv["decode0"].tensor, cfg.cache.num_decode_blocks,
-                cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size
-            ) if policy.uses_step_cost else []
+                cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size)
             step_time = EngineStepCost(
                 model_config, cfg.model.attention, cfg.decode_devices[0],
-                resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations, probed)
+                resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations,
+                self.probe_iterations)
         policy.step_time = step_time
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish

@@ -54,6 +54,7 @@ class BenchSettings:
     api_key: str | None = None
     served_model: str | None = None  # model name on that server (default: its first)
     tpot_slo: float = DEFAULT_TPOT_SLO  # goodput's TPOT target (seconds)
+    share_kv_memory: bool = True  # the engine's KV stores on one device: one tensor
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,7 +153,8 @@ def engine_config(name: str, sizing: Sizing, settings: BenchSettings) -> EngineC
     policy, attention = name.split("/")
     return EngineConfig.create(model=settings.model, dtype=settings.dtype,
                                weights_seed=settings.seed, policy=policy,
-                               attention=attention, **sizing.options())
+                               attention=attention, share_kv_memory=settings.share_kv_memory,
+                               **sizing.options())
 
 
 def build_workloads(args: argparse.Namespace, max_len: int) -> list[Workload]:
@@ -201,7 +203,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
             file = f"{run.workload.name}__{result.system.replace('/', '-')}"
             file += f"__r{result.repeat}.jsonl" if args.repeats > 1 else ".jsonl"
             write_iteration_log(log_dir / file, header,
-                                [*result.iterations, *result.prefill_iterations])
+                                [*result.probe_iterations, *result.iterations,
+                                 *result.prefill_iterations])
     if args.plots:
         write_plots(Path(args.plots), runs, args, settings)
     return tables
@@ -297,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", type=_names, default=["paged"],
                    help=f"comma list of attention backends ({', '.join(ATTENTION_BACKENDS)}); "
                         "each engine policy runs with each")
+    p.add_argument("--share-kv-memory", action=argparse.BooleanOptionalAction,
+                   default=d.share_kv_memory,
+                   help="the engine's KV stores on one device share one tensor and move KV "
+                        "by handing block tables over (--no-share-kv-memory: a copy per move)")
     p.add_argument("--model", default=d.model, help="a preset name (random weights)")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV dtype")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -344,7 +351,8 @@ def main(argv: list[str]) -> int:
     settings = BenchSettings(model=args.model, dtype=args.dtype, seed=args.seed,
                              batch_requests=args.batch_requests, realtime=not args.offline,
                              url=args.url, api_key=args.api_key,
-                             served_model=args.served_model, tpot_slo=args.tpot_slo)
+                             served_model=args.served_model, tpot_slo=args.tpot_slo,
+                             share_kv_memory=args.share_kv_memory)
     try:
         systems = system_names(args.systems + ([HTTP_SYSTEM] if args.url else []),
                                args.attention)

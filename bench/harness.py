@@ -56,6 +56,7 @@ class RunResult:
     token_ids: dict[str, list[int]]  # workload request_id -> generated token ids
     wall_time: float  # seconds from the first submission to the last finish
     prefill_iterations: list[IterationRecord] = dataclasses.field(default_factory=list)
+    probe_iterations: list[IterationRecord] = dataclasses.field(default_factory=list)
     repeat: int = 0  # which of the benchmark's repeated runs this was (0: the first)
     cpu_steal: float = math.nan  # share of the machine's CPU time the hypervisor took meanwhile
 
@@ -155,7 +156,8 @@ async def run_engine(workload: Workload, prompts: Sequence[list[int]], config: E
         iterations = [it for it in engine.iterations if it.start_time >= start]
         prefills = [it for it in engine.prefill_iterations if it.start_time >= start]
     token_ids = {req.request_id: out for req, out in zip(workload.requests, outputs)}
-    return RunResult(system, events, iterations, token_ids, wall_time, prefills)
+    return RunResult(system, events, iterations, token_ids, wall_time, prefills,
+                     engine.probe_iterations)
 
 
 async def replay(workload: Workload, prompts: Sequence[list[int]], realtime: bool,

@@ -10,12 +10,21 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from aserve.core import SeqStatus
-from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
+from aserve.cores import (
+    HOST_DEVICE,
+    BlockLedger,
+    Core,
+    Forward,
+    Lifecycle,
+    Move,
+    Wiring,
+    kv_allocators,
+    kv_stores,
+)
 from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
 from sim.loop import Device, EventLoop
-from transport.blocks import BlockAllocator
 
 
 @dataclass
@@ -43,9 +52,9 @@ class SimContext:
         stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg)
         self.store_devices = {name: dev for name, (dev, _) in stores.items()}
         self.devices = {dev: Device(dev) for dev in self.store_devices.values()}
-        sizes = {name: n for name, (_, n) in stores.items()} | {"host": cfg.num_host_blocks}
-        self.kv = BlockLedger({name: BlockAllocator(n, cfg.block_size, name)
-                               for name, n in sizes.items()}, cfg.block_size)
+        allocators = kv_allocators(stores | {"host": (HOST_DEVICE, cfg.num_host_blocks)},
+                                   cfg.block_size, cfg.share_kv_memory)
+        self.kv = BlockLedger(allocators, cfg.block_size)
         self.life = Lifecycle(self.kv, eos_token_id=-1, record_tokens=self.record_tokens)
 
     def forward_time(self, step: Forward) -> float:
@@ -63,6 +72,8 @@ class SimContext:
         copies queue behind each other (FIFO); on a CPU (`not hardware.is_gpu`) the copies
         occupy the device's compute timeline, as the engine runs CPU-to-CPU copies in the
         device's thread, between its forwards."""
+        if move.handover:  # one KV tensor: the table changes stores, nothing is copied
+            return start
         hw = self.cost.hardware
         src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
@@ -145,7 +156,10 @@ class Instance:
             self.core.landed(move, end)
             self._copy(moves[1:])
 
-        self.loop.at(end, land)
+        if move.handover:  # lands at once, as the engine's (KVSpace.copy awaits nothing)
+            land()
+        else:
+            self.loop.at(end, land)
 
     def _finish(self, step: Forward, duration: float) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no

@@ -65,13 +65,18 @@ class KVStore:
         num_blocks: int,
         device: torch.device | str,
         pin_memory: bool = False,
+        *,
+        allocator: BlockAllocator | None = None,
+        tensor: torch.Tensor | None = None,
     ) -> None:
-        """Allocates the store tensor.
+        """Allocates the store tensor, or shares `tensor` (`share_tensor`).
 
         Args:
             pin_memory: page-lock a CPU store so host<->device copies are asynchronous. Honoured
                 only when CUDA is available; otherwise the store is left pageable and a message
                 is logged.
+            allocator, tensor: a store in a shared KV tensor: its allocator (drawing from the
+                tensor's `BlockPool`) and the tensor itself.
         Raises:
             ValueError: `num_blocks` < 1, or `pin_memory` asked for a non-CPU device.
         """
@@ -80,18 +85,25 @@ class KVStore:
             raise ValueError(f"num_blocks ({num_blocks}) of KV store {name!r} must be >= 1")
         self.name = name
         self.geometry = geometry
-        self.device = device
-        self.allocator = BlockAllocator(num_blocks, geometry.block_size, name=name)
-        self.is_pinned = _resolve_pinning(name, device, pin_memory)
-        # [num_blocks + 1, num_layers, 2, block_size, num_heads, head_dim]
-        self.tensor = torch.empty(
-            (num_blocks + 1, *geometry.block_shape),
-            dtype=geometry.dtype,
-            device=device,
-            pin_memory=self.is_pinned,
-        )
-        self.tensor[PAD_BLOCK_ID].zero_()
+        self.allocator = (allocator if allocator is not None  # NOTE: an empty one is falsy
+                          else BlockAllocator(num_blocks, geometry.block_size, name=name))
+        if tensor is None:
+            self.is_pinned = _resolve_pinning(name, device, pin_memory)
+            tensor = self.new_tensor(geometry, num_blocks, device, self.is_pinned)
+        else:
+            self.is_pinned = tensor.device.type == "cpu" and tensor.is_pinned()
+        # [pool blocks + 1, num_layers, 2, block_size, num_heads, head_dim]
+        self.tensor = tensor
         self.device = self.tensor.device  # NOTE: `cuda` resolved to `cuda:N`, for comparisons
+
+    @staticmethod
+    def new_tensor(geometry: KVGeometry, num_blocks: int, device: torch.device | str,
+                   pin_memory: bool = False) -> torch.Tensor:
+        """A KV tensor of `num_blocks` blocks plus the null block (the only one zeroed)."""
+        tensor = torch.empty((num_blocks + 1, *geometry.block_shape), dtype=geometry.dtype,
+                             device=device, pin_memory=pin_memory)
+        tensor[PAD_BLOCK_ID].zero_()
+        return tensor
 
     @classmethod
     def with_capacity_bytes(
@@ -115,6 +127,10 @@ class KVStore:
                 f"({geometry.bytes_per_block})"
             )
         return cls(name, geometry, num_blocks, device, pin_memory=pin_memory)
+
+    def shares_memory(self, other: KVStore) -> bool:
+        """Whether `other` lives in this store's KV tensor (a move is a hand-over)."""
+        return self.allocator.shares_memory(other.allocator)
 
     def __repr__(self) -> str:
         return (

@@ -91,8 +91,11 @@ async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
+    hand_over = kv.copy  # the engine's own: a hand-over between stores of one tensor
 
     async def copy(move, clock) -> None:  # type: ignore[no-untyped-def]
+        if move.handover:
+            return await hand_over(move, clock)
         start = clock()
         landed = sim_ctx.transfer(move, start)
         await asyncio.sleep(landed - start)

@@ -24,6 +24,7 @@ from aserve.runner import WorkItem
 from aserve.server import ENGINE, create_app
 from tests.aserve.conftest import LiveServer
 from tests.aserve.test_engine import settle
+from transport.blocks import BlockAllocator
 
 T = TypeVar("T")
 
@@ -56,6 +57,7 @@ class BlockLedger:
             allocator = store.allocator
             allocator.allocate = self._wrap(name, allocator.allocate, self.allocs)  # type: ignore[method-assign]
             allocator.free = self._wrap(name, allocator.free, self.frees)  # type: ignore[method-assign]
+            allocator.adopt = self._wrap_adopt(name, allocator.adopt)  # type: ignore[method-assign]
 
     @staticmethod
     def _wrap(name: str, fn: Callable[..., object],
@@ -64,6 +66,16 @@ class BlockLedger:
             result = fn(owner, *args)
             if result is not None:
                 counts[(name, owner)] += 1
+            return result
+        return counted
+
+    def _wrap_adopt(self, name: str, fn: Callable[..., int]) -> Callable[..., int]:
+        """A hand-over between stores of one KV tensor: the table is allocated in `name`
+        and freed in the source store, as a copy's would be (transport/blocks.py)."""
+        def counted(owner: str, src: BlockAllocator) -> int:
+            result = fn(owner, src)
+            self.allocs[(name, owner)] += 1
+            self.frees[(src.name, owner)] += 1
             return result
         return counted
 

@@ -148,25 +148,33 @@ COPY_PATHS = [
 @pytest.mark.parametrize("path, config", COPY_PATHS)
 async def test_failed_kv_copy_fails_only_its_request(path: tuple[str, str],
                                                      config: dict[str, object]) -> None:
-    await run_with_fault(path, copy_fault, "injected copy failure", **config)
+    # NOTE: stores of one tensor hand block tables over and copy nothing that could fail;
+    # a tensor per store (as across devices) copies on every path
+    await run_with_fault(path, copy_fault, "injected copy failure", share_kv_memory=False,
+                         **config)
 
 
 def host_refusal(engine: Engine) -> Inject:
+    """The host pool raises on the next allocation: a copy's `allocate`, a hand-over's
+    `reserve`."""
     allocator = engine.ctx.kv["host"].allocator  # type: ignore[union-attr]
-    original = allocator.allocate
+    originals = {name: getattr(allocator, name) for name in ("allocate", "reserve")}
 
-    def refuse_once(owner: str, num_tokens: int) -> list[int] | None:
-        allocator.allocate = original  # type: ignore[method-assign]
+    def refuse_once(owner: str, num: int) -> list[int] | None:
+        for name, method in originals.items():
+            setattr(allocator, name, method)
         raise MemoryError("injected: host pool refused the allocation")
 
     def inject(seq: Sequence, dst_name: str) -> None:
-        allocator.allocate = refuse_once  # type: ignore[method-assign]
+        for name in originals:
+            setattr(allocator, name, refuse_once)
     return inject
 
 
-async def test_host_pool_refusing_an_allocation_fails_only_its_request() -> None:
+@pytest.mark.parametrize("share", [False, True], ids=["copy", "handover"])
+async def test_host_pool_refusing_an_allocation_fails_only_its_request(share: bool) -> None:
     await run_with_fault(("prefill", "host"), host_refusal, "host pool refused",
-                         when="reserve")
+                         when="reserve", share_kv_memory=share)
 
 
 # -- a dead actor --------------------------------------------------------------------------

@@ -148,9 +148,11 @@ def test_aligned_returns_stragglers_to_the_pool_and_finishes_everything(seed: in
     assert returned > 0  # the small decode cache forces switches that return requests
 
 
-def test_cpu_copies_take_device_time() -> None:
+@pytest.mark.parametrize("share", [False, True])
+def test_cpu_copies_take_device_time_unless_the_stores_share_one_tensor(share: bool) -> None:
     """On a CPU cluster (one device for prefill and decode), KV copies occupy the device:
-    its busy time is the forwards plus every copy."""
+    its busy time is the forwards plus every copy. Where the stores share one KV tensor
+    (the default) a move hands the block table over: no copy, no device time."""
     hw = Hardware("cpu", memory_bandwidth=FAST, matmul_rate=FAST, num_sms=2, memory_bytes=FAST,
                   host_link_bandwidth=1e6, device_link_bandwidth=1e6, host_memory_bytes=FAST)
     params = CostParams(step_overhead=1.0, per_seq_overhead=0.0, bw_efficiency=1.0,
@@ -158,13 +160,15 @@ def test_cpu_copies_take_device_time() -> None:
     cost = CostModel(get_geometry("opt-tiny"), hw, params)
     block_s = cost.kv_bytes(1, 16) / 1e6  # seconds to copy one 16-token block
     workload = _workload(("a", 16, 4, 0.0), ("b", 16, 4, 0.0))
-    config = ClusterConfig.create(min_requests=1, max_batch_size=2)
+    config = ClusterConfig.create(min_requests=1, max_batch_size=2, share_kv_memory=share)
     result = simulate(workload, "fcfs", config, cost)
     forwards = 1 + len(result.iterations)  # one packed prefill, then the decode iterations
     # each request's one block goes over the host link twice (offload, prefetch); staging
     # -> decode is a copy within the one device, at its (FAST) memory bandwidth
-    assert result.device_busy["cpu"] == pytest.approx(forwards + 4 * block_s)
-    assert result.end_time >= forwards + 4 * block_s - EPS
+    copies = 0 if share else 4 * block_s
+    assert len(result.transfers) == 6  # the same moves either way
+    assert result.device_busy["cpu"] == pytest.approx(forwards + copies)
+    assert result.end_time >= forwards + copies - EPS
 
 
 def _long_request_wait(system: str, threshold: float | None) -> float:

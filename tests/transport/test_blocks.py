@@ -1,4 +1,5 @@
-"""BlockAllocator: tables, running out, double frees, and integrity under any sequence of calls."""
+"""BlockAllocator: tables, running out, double frees, and integrity under any sequence of calls;
+stores sharing one pool (one KV tensor): quotas and hand-overs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from transport.blocks import PAD_BLOCK_ID, BlockAllocator
+from transport.blocks import PAD_BLOCK_ID, BlockAllocator, BlockPool
 
 NUM_BLOCKS = 16
 BLOCK_SIZE = 4  # tokens
@@ -162,3 +163,135 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None
 )
 test_allocator_state_machine = AllocatorMachine.TestCase
+
+
+# -- stores sharing one KV tensor: quotas, hand-overs ------------------------------------
+def test_a_hand_over_moves_the_table_and_its_quota_between_stores_of_one_pool() -> None:
+    pool = BlockPool(12)
+    scratch, cache = BlockAllocator(4, BLOCK_SIZE, "scratch", pool), BlockAllocator(
+        8, BLOCK_SIZE, "cache", pool)
+    assert scratch.shares_memory(cache) and not scratch.shares_memory(BlockAllocator(4, 4))
+    table = scratch.allocate("a", 3 * BLOCK_SIZE + 1)  # 4 blocks: the whole quota
+    assert table == [1, 2, 3, 4] and scratch.num_free == 0 and scratch.allocate("b", 1) is None
+    assert cache.reserve("a", 3)  # its KV needs 3 of the 4 blocks (grown for the next token)
+    assert cache.num_used == 3 and "a" not in cache  # room set aside, no table yet
+    assert cache.adopt("a", scratch) == 3
+    assert cache.table("a") == [1, 2, 3] and "a" not in scratch  # no copy: the same ids
+    assert scratch.num_free == 4 and cache.num_used == 3
+    assert scratch.allocate("b", 4 * BLOCK_SIZE) == [4, 5, 6, 7]  # the trimmed block came back
+    scratch.check_integrity()
+    cache.check_integrity()
+
+
+def test_a_reservation_counts_against_the_quota_until_adopted_or_given_back() -> None:
+    pool = BlockPool(6)
+    src = BlockAllocator(4, BLOCK_SIZE, "src", pool)
+    dst = BlockAllocator(2, BLOCK_SIZE, "dst", pool)
+    src.allocate("a", 2 * BLOCK_SIZE)
+    src.allocate("b", 2 * BLOCK_SIZE)
+    assert dst.reserve("a", 2) and not dst.reserve("b", 1)  # dst's quota is taken
+    assert dst.allocate("c", 1) is None
+    with pytest.raises(ValueError, match="already"):
+        dst.reserve("a", 1)
+    assert dst.unreserve("a") == 2 and dst.num_free == 2
+    with pytest.raises(KeyError, match="reserves no blocks"):
+        dst.adopt("a", src)
+    dst.check_integrity()
+
+
+def test_quotas_cannot_exceed_the_pool() -> None:
+    pool = BlockPool(8)
+    BlockAllocator(6, BLOCK_SIZE, "a", pool)
+    with pytest.raises(ValueError, match="exceed the shared pool"):
+        BlockAllocator(3, BLOCK_SIZE, "b", pool)
+
+
+def test_pool_integrity_sees_a_block_in_two_stores_tables() -> None:
+    pool = BlockPool(8)
+    a, b = BlockAllocator(4, BLOCK_SIZE, "a", pool), BlockAllocator(4, BLOCK_SIZE, "b", pool)
+    a.allocate("x", BLOCK_SIZE)
+    b.allocate("y", BLOCK_SIZE)
+    b._tables["y"] = list(a._tables["x"])  # a corrupted table: the same block in two stores
+    with pytest.raises(RuntimeError, match="two tables"):
+        b.check_integrity()
+
+
+STORES = {"prefill": 5, "host": 8, "staging": 4, "decode": 6}
+
+
+class SharedPoolMachine(RuleBasedStateMachine):
+    """Stores of one pool under any sequence of allocations, frees, and hand-overs reserved,
+    then adopted or called off: no block is ever in two tables or lost, each store stays in
+    its quota, and a hand-over keeps the owner's first blocks (its KV) in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(sum(STORES.values()))
+        self.stores = {name: BlockAllocator(n, BLOCK_SIZE, name, self.pool)
+                       for name, n in STORES.items()}
+        self.where: dict[str, str] = {}  # owner -> store holding its table
+        self.moving: dict[str, tuple[str, int]] = {}  # owner -> (destination, blocks)
+
+    @rule(owner=st.sampled_from("abcdefgh"), store=st.sampled_from(sorted(STORES)),
+          num_tokens=st.integers(1, 40))
+    def allocate(self, owner: str, store: str, num_tokens: int) -> None:
+        if owner in self.where:
+            return
+        allocator = self.stores[store]
+        fits = allocator.blocks_for(num_tokens) <= allocator.num_free
+        table = allocator.allocate(owner, num_tokens)
+        assert (table is not None) == fits
+        if table is not None:
+            self.where[owner] = store
+
+    @precondition(lambda self: bool(self.where))
+    @rule(data=st.data(), num_tokens=st.integers(1, 40))
+    def grow(self, data: st.DataObject, num_tokens: int) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.where)))
+        if owner not in self.moving:
+            self.stores[self.where[owner]].grow(owner, num_tokens)
+
+    @precondition(lambda self: bool(self.where))
+    @rule(data=st.data(), dst=st.sampled_from(sorted(STORES)))
+    def reserve(self, data: st.DataObject, dst: str) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.where)))
+        src = self.where[owner]
+        if owner in self.moving or dst == src:
+            return
+        held = len(self.stores[src].table(owner))
+        num_blocks = data.draw(st.integers(1, held))
+        if self.stores[dst].reserve(owner, num_blocks):
+            self.moving[owner] = (dst, num_blocks)
+
+    @precondition(lambda self: bool(self.moving))
+    @rule(data=st.data(), commit=st.booleans())
+    def land(self, data: st.DataObject, commit: bool) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.moving)))
+        dst, num_blocks = self.moving.pop(owner)
+        if not commit:
+            assert self.stores[dst].unreserve(owner) == num_blocks
+            return
+        kept = self.stores[self.where[owner]].table(owner)[:num_blocks]
+        assert self.stores[dst].adopt(owner, self.stores[self.where[owner]]) == num_blocks
+        assert self.stores[dst].table(owner) == kept
+        self.where[owner] = dst
+
+    @precondition(lambda self: bool(set(self.where) - set(self.moving)))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(set(self.where) - set(self.moving))))
+        self.stores[self.where.pop(owner)].free(owner)
+
+    @invariant()
+    def books_balance(self) -> None:
+        for allocator in self.stores.values():
+            allocator.check_integrity()
+            assert 0 <= allocator.num_free <= allocator.num_blocks
+        held = sum(len(s.table(o)) for o, name in self.where.items() for s in [self.stores[name]])
+        assert len(self.pool.free_ids) == self.pool.num_blocks - held
+
+
+SharedPoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_shared_pool_state_machine = SharedPoolMachine.TestCase
