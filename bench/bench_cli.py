@@ -199,7 +199,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
     for run in runs:
         for result in (r for r in run.results if r.iterations):
             header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
-                      "system": result.system, "workload": run.workload.name}
+                      "system": result.system, "workload": run.workload.name,
+                      "share_kv_memory": settings.share_kv_memory}
             file = f"{run.workload.name}__{result.system.replace('/', '-')}"
             file += f"__r{result.repeat}.jsonl" if args.repeats > 1 else ".jsonl"
             write_iteration_log(log_dir / file, header,

@@ -46,6 +46,8 @@ def cluster_from_header(header: Mapping[str, object]) -> ClusterConfig:
     """The engine's devices and capacities from a record header's EngineConfig-like keys
     (`host_pool_gb` is converted with the header's model and dtype)."""
     fields: dict[str, object] = {k: header[k] for k in _CLUSTER_KEYS if k in header}
+    if "share_kv_memory" in header:  # how the run moved KV (not a size: see cluster_for_bench)
+        fields["share_kv_memory"] = bool(header["share_kv_memory"])
     for key in ("prefill_devices", "decode_devices"):
         value = header.get(key)
         if isinstance(value, str):

@@ -64,8 +64,13 @@ def test_cli_writes_documented_json_for_two_policies(tmp_path: Path) -> None:
     header, records = read_iteration_log(
         out.with_suffix(".iterations") / "synthetic-s0.5__fcfs-paged.jsonl")
     assert header == {"model": TINY, "dtype": "float32", "system": "fcfs/paged",
-                      "workload": "synthetic-s0.5"}
+                      "workload": "synthetic-s0.5", "share_kv_memory": True}
     assert records and all(r.batch_size >= 1 for r in records)
+    # the start-up probe's steps come first: every log calibrates over batch sizes
+    probed = [r for r in records if r.instance == "probe"]
+    assert probed and records[:len(probed)] == probed
+    assert max(r.batch_size for r in probed) > max(r.batch_size for r in records
+                                                   if r.instance.startswith("decode"))
 
 
 def test_cli_repeats_rotate_the_order_and_report_medians(tmp_path: Path) -> None:

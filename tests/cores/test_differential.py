@@ -1,7 +1,8 @@
 """The engine driver and the simulator run the same cores: one workload (a starving long
 request, evictions, aborts, batch switches) through the asyncio engine with a runner whose
 steps take the cost model's time, on a virtual clock, and through the simulator, yields the
-same batch decisions, KV moves and lifecycle events in the same order at the same times."""
+same batch decisions, KV moves and lifecycle events in the same order at the same times,
+whether the KV stores hand block tables over (one tensor) or copy (a tensor each)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES as REGISTERED
 from scheduler import PolicyConfig, get_policy, throughput
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
+from sim.cost import KernelKind
 from sim.drivers import SimContext
 from sim.hardware import Hardware
 from sim.run import arrival_stamps
@@ -68,18 +70,20 @@ def workload() -> Workload:
     return Workload("differential", tuple(reqs))
 
 
-def cost_model() -> CostModel:
+def cost_model(kernel: KernelKind = "split-k") -> CostModel:
     hw = Hardware("diff-gpu", memory_bandwidth=2e9, matmul_rate=1e12, num_sms=8,
                   memory_bytes=1e12, host_link_bandwidth=2e8, device_link_bandwidth=1e9,
                   host_memory_bytes=1e12)
-    return CostModel(get_geometry("opt-tiny"), hw, CostParams(step_overhead=0.005))
+    return CostModel(get_geometry("opt-tiny"), hw, CostParams(step_overhead=0.005), kernel)
 
 
-def engine_config(policy: str, starvation_threshold: float | None = 0.3) -> EngineConfig:
+def engine_config(policy: str, starvation_threshold: float | None = 0.3,
+                  share_kv_memory: bool = True) -> EngineConfig:
     return EngineConfig.create(model="opt-tiny", policy=policy, num_decode_blocks=48,
                                num_prefill_blocks=128, num_staging_blocks=64,
                                host_pool_gb=0.002, min_requests=4, max_batch_size=16,
-                               starvation_threshold=starvation_threshold)
+                               starvation_threshold=starvation_threshold,
+                               share_kv_memory=share_kv_memory)
 
 
 async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
@@ -147,14 +151,19 @@ def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type
 POLICIES = sorted(REGISTERED)  # every registered policy
 
 
-@pytest.mark.parametrize("policy,headroom", [(p, None) for p in POLICIES]
-                         + [("aligned", 0)])  # without headroom, aligned evicts here too
+# NOTE: all stores are on one device here, so by default every move is a hand-over that
+# lands at once; with a tensor per store each move is a copy that takes link time
+@pytest.mark.parametrize("policy,headroom,share", [(p, None, True) for p in POLICIES]
+                         + [("aligned", 0, True)]  # without headroom, aligned evicts here too
+                         + [(p, None, False) for p in ("aligned", "aligned-strict", "fcfs")]
+                         + [("aligned", 0, False)])
 def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int | None,
+                                                      share: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     if headroom is not None:
         monkeypatch.setattr(throughput, "HEADROOM_STEPS", headroom)
     cost = cost_model()
-    config = engine_config(policy, STARVATION_THRESHOLD)
+    config = engine_config(policy, STARVATION_THRESHOLD, share)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
     engine = run_on_virtual_clock(config, cost, probe)
@@ -171,6 +180,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
         [e.time for e in sim_events], abs=TOLERANCE)
     assert [it.start_time for it in engine.iterations] == pytest.approx(
         [it.start_time for it in result.iterations], abs=TOLERANCE)
+    assert all((t.end_time == t.start_time) == share for t in kv.transfers)
     kinds = {k for _, k in engine_side[0]}
     assert "finish" in kinds
     # aligned (and its no-prefetch variant) keeps room for its running seqs' growth

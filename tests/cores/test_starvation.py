@@ -34,7 +34,9 @@ def stream_with_one_long(num_groups: int = 40) -> Workload:
 def long_request_wait(policy: str, threshold: float | None) -> tuple[float, float]:
     """Virtual seconds the long request waits from the pool to its first decode step, and the
     time the last short request finishes."""
-    cost = cost_model()
+    # NOTE: `aligned` decides with a padded step cost here: under a total-work cost it
+    # admits in arrival order (grouping cannot pay there), and nothing starves
+    cost = cost_model("padded" if policy == "aligned" else "split-k")
     config = engine_config(policy, starvation_threshold=threshold)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
                        get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))

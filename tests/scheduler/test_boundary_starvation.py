@@ -3,7 +3,11 @@ is admitted before candidate requests that would otherwise keep the running batc
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 from scheduler import BoundaryView, PolicyConfig, SeqView, get_policy
+from tests.scheduler.test_policies import padded_step_time
 
 
 def view(now: float | None) -> BoundaryView:
@@ -22,11 +26,30 @@ def test_starving_candidate_batch_goes_before_candidate_requests() -> None:
     assert plan.admit_requests == ()
 
 
-def test_without_starvation_candidate_requests_go_first() -> None:
+def padded_step(lengths: Sequence[int]) -> float:
+    """A padded backend's step, in steps of about a second (as ``unit_step_time``'s)."""
+    return padded_step_time(lengths) / 4096
+
+
+def test_without_starvation_candidate_requests_go_first_where_grouping_pays() -> None:
     for config, now in ((PolicyConfig(starvation_threshold=5.0), 3.0),
                         (PolicyConfig(starvation_threshold=None), 10.0)):
-        plan = get_policy("aligned", config).plan_boundary(view(now=now))
+        plan = get_policy("aligned", config, padded_step).plan_boundary(view(now=now))
         assert plan.admit_requests == ("m0",)
+
+
+def test_where_grouping_cannot_pay_both_buffers_are_admitted_oldest_first() -> None:
+    """Under a total-work step cost (the default, as paged attention's on a CPU) the older
+    candidate batch goes before a newer candidate request that matches the running batch,
+    as fcfs would admit them; the request waits for room (RESULTS §20: newer refills that
+    kept passing an older candidate batch left its long requests for a tail of small
+    steps)."""
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
+        view(now=10.0))
+    assert plan.admit_batch == ("long",) and plan.admit_requests == ()  # 4 + 3 > 6 blocks
+    wide = dataclasses.replace(view(now=10.0), free_blocks=16)
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(wide)
+    assert plan.admit_batch == ("long",) and plan.admit_requests == ("m0",)
 
 
 def test_starving_evicted_request_goes_before_closer_candidate_requests() -> None:

@@ -85,8 +85,13 @@ def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.Monk
     batch = tuple(SeqView(f"b{i}", SHORT, 7, 0.0, 2) for i in range(100))  # 700 blocks
     free = 600  # with the 112 held, 1/8 of the instance (89) is above the headroom
     view = BoundaryView(running, free, BLOCK_SIZE, 256, (), batch, 2, now=0.0)
-    admitted = {name: get_policy(name, PolicyConfig()).plan_boundary(view).admit_batch
-                for name in ("aligned", "aligned-loose")}
+    policies = {"aligned": get_policy("aligned", PolicyConfig(), padded_step_time),
+                "aligned-loose": get_policy("aligned-loose", PolicyConfig())}
+    # a long request in the pool: grouping pays there (where it cannot, `aligned` admits
+    # as fcfs does, to the brim: tests/scheduler/test_boundary_starvation.py)
+    policies["aligned"].add(SeqView("pooled", LONG, LONG // BLOCK_SIZE, 0.0))
+    admitted = {name: policy.plan_boundary(view).admit_batch
+                for name, policy in policies.items()}
     headroom = -(-len(running) * 64 // BLOCK_SIZE)  # 64 blocks
     used = {name: sum(blocks_to_admit(s, BLOCK_SIZE, 1) for s in batch if s.seq_id in ids)
             for name, ids in admitted.items()}
@@ -116,15 +121,18 @@ def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
     # 16 shorts hold 112 blocks and need none for two steps; the staged seq needs 63 of the
     # 80 free. The full headroom holds back 1/8 of the 192 blocks (24), leaving 56: it waits.
     # The headroom kept falls linearly to none after HEADROOM_STEPS predicted steps of
-    # waiting (default unit cost: 4096 + 16 x 100 per step), so 63 fit once at most 17 of
-    # the 24 are held back: past 16 of the 64 steps.
+    # waiting (a padded cost, where grouping pays: 4096 + 16 x 100 per step), so 63 fit
+    # once at most 17 of the 24 are held back: past 16 of the 64 steps. (Where grouping
+    # cannot pay, `aligned` keeps no headroom: it admits as fcfs does.)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
-    step = 4096 + 16 * SHORT
+    step = padded_step_time([SHORT] * 16)
     staged = SeqView("b", 1000, 63, 0.0, 2, waiting_since=0.0)
     view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2,
                         now=waited_steps * step)
     assert blocks_to_admit(staged, BLOCK_SIZE, 1) == 63 and growth(running, BLOCK_SIZE, 1) == 0
-    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None))
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
     assert policy.plan_boundary(view).admit_batch == (("b",) if admitted else ())
+    fifo = get_policy("aligned", PolicyConfig(starvation_threshold=None))  # total work
+    assert fifo.plan_boundary(view).admit_batch == ("b",)
     loose = get_policy("aligned-loose", PolicyConfig(starvation_threshold=None))
     assert loose.plan_boundary(view).admit_batch == ("b",)  # no headroom at all

@@ -72,6 +72,8 @@ def test_validate_prints_predicted_against_measured(tmp_path: Path,
     config = cluster_from_header(header)
     assert config.decode_devices == ("cpu",) and config.num_decode_blocks == 512
     assert config.num_host_blocks == int(0.5 * 2**30 // (16 * 2 * 12 * 768 * 4))
+    assert config.share_kv_memory  # the engine's default: stores of one memory hand over
+    assert not cluster_from_header({**header, "share_kv_memory": False}).share_kv_memory
     workload = synthetic(20, short_range=(16, 64), long_range=(64, 128), output_range=8,
                          rate=5.0)
     measured = [{"system": "fcfs", "decode_throughput": 40.0, "tpot_p99": 0.05}]
