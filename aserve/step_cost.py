@@ -3,7 +3,8 @@
 One model for both drivers: sim/cost.py's ``CostModel`` (weights, per-sequence overheads
 and the attention work of the backend: padded, per-sequence waves, split-K) of this
 engine's OPT geometry on its decode device, its constants fitted by sim/calibrate.py to a
-short probe at start-up (a few synthetic decode steps of chosen lengths, ``probe``), then
+short probe at start-up (synthetic decode steps of chosen lengths and batch sizes, ``probe``;
+run under every policy, as they are also the iteration logs' calibration rows), then
 refitted to the engine's own decode iteration records as they accumulate, where that fits
 them better than the probe's constants do.
 
