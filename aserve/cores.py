@@ -42,7 +42,7 @@ from scheduler import (
     SeqView,
     ceil_div,
 )
-from transport.blocks import BlockAllocator, BlockPool
+from transport.blocks import allocators_for
 
 if TYPE_CHECKING:
     from aserve.config import SchedulerConfig
@@ -292,35 +292,20 @@ def seq_views(seqs: Iterable[Sequence], kv: BlockLedger) -> tuple[SeqView, ...]:
 
 
 def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
-              cache: Any) -> dict[str, tuple[str, int]]:
-    """Every KV store but the host pool, by name, with its device and its blocks (from
-    `cache`, the engine's CacheConfig or the simulator's cluster): `prefill{i}` scratch on
-    prefill device i; decode instance j's cache `decode{j}` and its candidate buffer
-    `staging{j}` on prefill device j mod P (the paper's layout). One layout, both drivers."""
+              cache: Any, host_blocks: int) -> dict[str, tuple[str, int]]:
+    """Every KV store, by name, with its device and its blocks (from `cache`, the engine's
+    CacheConfig or the simulator's cluster): `prefill{i}` scratch on prefill device i;
+    decode instance j's cache `decode{j}` and its candidate buffer `staging{j}` on prefill
+    device j mod P (the paper's layout); the `host` pool of `host_blocks` in CPU memory. One
+    layout, both drivers."""
     stores = {f"prefill{i}": (dev, cache.num_prefill_blocks)
               for i, dev in enumerate(prefill_devices)}
     for j, dev in enumerate(decode_devices):
         stores[f"decode{j}"] = (dev, cache.num_decode_blocks)
         stores[f"staging{j}"] = (prefill_devices[j % len(prefill_devices)],
                                  max(cache.num_staging_blocks, 1))
+    stores["host"] = ("cpu", host_blocks)
     return stores
-
-
-HOST_DEVICE = "cpu"  # the host pool's memory
-
-
-def kv_allocators(stores: Mapping[str, tuple[str, int]], block_size: int,
-                  share_memory: bool) -> dict[str, BlockAllocator]:
-    """An allocator per store (`kv_stores`' and the host pool's: name -> (device, blocks));
-    with `share_memory` the stores on one device draw from one `BlockPool` (one KV tensor),
-    each within its own blocks, and a move between two of them is a hand-over. One layout,
-    both drivers."""
-    totals: dict[str, int] = {}
-    for device, num_blocks in stores.values():
-        totals[device] = totals.get(device, 0) + num_blocks
-    pools = {dev: BlockPool(n) for dev, n in totals.items()} if share_memory else {}
-    return {name: BlockAllocator(n, block_size, name, pools.get(dev))
-            for name, (dev, n) in stores.items()}
 
 
 # -- kv -------------------------------------------------------------------------------
@@ -334,8 +319,12 @@ class BlockLedger:
     """`prefill{i}` scratch, `staging{j}` candidate buffers, one `host` pool, `decode{j}`
     caches. A sequence's `location` names the store whose table holds its KV."""
 
-    def __init__(self, allocators: Mapping[str, BlockAllocator], block_size: int) -> None:
-        self.allocators = dict(allocators)
+    def __init__(self, stores: Mapping[str, tuple[str, int]], block_size: int,
+                 share_memory: bool) -> None:
+        """An allocator per store of `stores` (`kv_stores`); with `share_memory` the stores
+        on one device draw from one `BlockPool` (one KV tensor), each within its own
+        blocks, and a move between two of them is a hand-over."""
+        self.allocators = allocators_for(stores, block_size, share_memory)
         self.block_size = block_size
         self.transfers: list[TransferRecord] = []  # every completed move, for research
 
@@ -378,22 +367,16 @@ class BlockLedger:
         """
         source = parent or seq
         assert source.location and seq.location != dst, f"{seq.seq_id}: bad move to {dst}"
-        num_tokens = max(seq.num_computed_tokens, 1)
-        dst_allocator = self.allocators[dst]
-        if parent is None and dst_allocator.shares_memory(self.allocators[seq.location]):
-            num_blocks = self.blocks_for(num_tokens)
-            if not dst_allocator.reserve(seq.seq_id, num_blocks):
-                return None
-            return Move(seq, seq.location, dst, num_blocks, handover=True)
-        dst_ids = dst_allocator.allocate(seq.seq_id, num_tokens)
-        if dst_ids is None:
+        taken = self.allocators[dst].take(seq.seq_id, max(seq.num_computed_tokens, 1),
+                                          None if parent else self.allocators[seq.location])
+        if taken is None:
             return None
-        src_ids = tuple(self.table(parent)[:len(dst_ids)]) if parent else None
-        return Move(seq, source.location, dst, len(dst_ids), src_ids)
+        num_blocks, handover = taken
+        src_ids = tuple(self.table(parent)[:num_blocks]) if parent else None
+        return Move(seq, source.location, dst, num_blocks, src_ids, handover)
 
     def tables(self, move: Move) -> tuple[list[int], list[int]]:
         """(source ids, destination ids) of a copy `move`, aligned block for block."""
-        assert not move.handover, f"{move.seq.seq_id}: a hand-over copies nothing"
         dst_ids = self.allocators[move.dst].table(move.seq.seq_id)
         if move.src_ids is not None:
             return list(move.src_ids), dst_ids
@@ -413,10 +396,7 @@ class BlockLedger:
     def cancel(self, move: Move) -> None:
         """The copy failed: the destination blocks are freed, the source keeps the KV (a
         fork then holds none)."""
-        if move.handover:
-            self.allocators[move.dst].unreserve(move.seq.seq_id)
-        else:
-            self.allocators[move.dst].free(move.seq.seq_id)
+        self.allocators[move.dst].free(move.seq.seq_id)  # a hand-over's reservation too
 
     def limits(self, uses_pool: bool) -> dict[str, int]:
         """The most blocks one request may hold, by the setting that sets it: every store it

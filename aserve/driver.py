@@ -28,22 +28,12 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.core import Sequence
-from aserve.cores import (
-    HOST_DEVICE,
-    BlockLedger,
-    Core,
-    Forward,
-    Lifecycle,
-    Move,
-    Wiring,
-    kv_allocators,
-    kv_stores,
-)
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
 from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
 from transport.copy import CopyEngine
-from transport.kv import KVGeometry, KVStore
+from transport.kv import KVGeometry, KVStore, stores_for
 
 logger = logging.getLogger(__name__)
 
@@ -166,32 +156,14 @@ class KVSpace(BlockLedger):
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry,
                  device_executors: Mapping[str, Executor] | None = None) -> None:
-        pin = torch.cuda.is_available()
-        layout = kv_stores(config.prefill_devices, config.decode_devices, config.cache)
-        host_blocks = config.cache.host_pool_bytes // geometry.bytes_per_block
-        if host_blocks < 1:
-            raise ValueError(f"host_pool_gb ({config.cache.host_pool_gb}) must hold >= 1 KV "
-                             f"block ({geometry.bytes_per_block} bytes)")
-        layout["host"] = (HOST_DEVICE, host_blocks)
-        allocators = kv_allocators(layout, geometry.block_size, config.cache.share_kv_memory)
-        tensors: dict[int, torch.Tensor] = {}  # one per BlockPool: stores in one memory
-        stores = []
-        for name, (dev, num_blocks) in layout.items():
-            pool = allocators[name].pool
-            members = [m.name for m in pool.members]
-            if id(pool) not in tensors:
-                tensors[id(pool)] = KVStore.new_tensor(
-                    geometry, pool.num_blocks, torch.device(dev),
-                    pin_memory=pin and "host" in members)
-                if any(m.startswith(("prefill", "decode")) for m in members):
-                    # NOTE: a step reads most of its cache; its blocks are untouched yet
-                    # (torch.empty), so they fault in as huge pages on the CPU: fewer TLB
-                    # misses per step (benchmarks/RESULTS.md §10, issue 17)
-                    advise_huge_pages(tensors[id(pool)])
-            stores.append(KVStore(name, geometry, num_blocks, torch.device(dev),
-                                  allocator=allocators[name], tensor=tensors[id(pool)]))
-        self.stores: dict[str, KVStore] = {store.name: store for store in stores}
-        super().__init__({s.name: s.allocator for s in stores}, geometry.block_size)
+        layout = kv_stores(config.prefill_devices, config.decode_devices, config.cache,
+                           geometry.blocks_in(config.cache.host_pool_bytes, "host_pool_gb"))
+        super().__init__(layout, geometry.block_size, config.cache.share_kv_memory)
+        # NOTE: a step reads most of its cache; its blocks are untouched yet (torch.empty),
+        # so they fault in as huge pages on the CPU: fewer TLB misses per step
+        # (benchmarks/RESULTS.md §10, issue 17)
+        self.stores = stores_for(layout, self.allocators, geometry, torch.cuda.is_available(),
+                                 advise=advise_huge_pages)
         self.copy_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-copy")
         # NOTE: a copy between two CPU stores runs in the CPU device's own worker thread. In a
         # thread of its own its OpenMP team spun against the forward pass's on the same

@@ -10,17 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from aserve.core import SeqStatus
-from aserve.cores import (
-    HOST_DEVICE,
-    BlockLedger,
-    Core,
-    Forward,
-    Lifecycle,
-    Move,
-    Wiring,
-    kv_allocators,
-    kv_stores,
-)
+from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from scheduler import Policy
 from sim.cluster import ClusterConfig
 from sim.cost import CostModel
@@ -49,12 +39,10 @@ class SimContext:
         cfg = self.config
         self.decode_devices = (cfg.decode_devices if self.policy.uses_pool
                                else cfg.colocated_devices)
-        stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg)
-        self.store_devices = {name: dev for name, (dev, _) in stores.items()}
+        stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg, cfg.num_host_blocks)
+        self.store_devices = {name: dev for name, (dev, _) in stores.items() if name != "host"}
         self.devices = {dev: Device(dev) for dev in self.store_devices.values()}
-        allocators = kv_allocators(stores | {"host": (HOST_DEVICE, cfg.num_host_blocks)},
-                                   cfg.block_size, cfg.share_kv_memory)
-        self.kv = BlockLedger(allocators, cfg.block_size)
+        self.kv = BlockLedger(stores, cfg.block_size, cfg.share_kv_memory)
         self.life = Lifecycle(self.kv, eos_token_id=-1, record_tokens=self.record_tokens)
 
     def forward_time(self, step: Forward) -> float:
@@ -72,8 +60,6 @@ class SimContext:
         copies queue behind each other (FIFO); on a CPU (`not hardware.is_gpu`) the copies
         occupy the device's compute timeline, as the engine runs CPU-to-CPU copies in the
         device's thread, between its forwards."""
-        if move.handover:  # one KV tensor: the table changes stores, nothing is copied
-            return start
         hw = self.cost.hardware
         src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
         if move.src == "host":
@@ -149,7 +135,8 @@ class Instance:
             self.act()
             return
         move, start = moves[0], self.loop.now
-        end = self.ctx.transfer(move, start)
+        # a hand-over (one KV tensor: the table changes stores) copies nothing
+        end = start if move.handover else self.ctx.transfer(move, start)
 
         def land() -> None:
             self.ctx.kv.commit(move, start, end)

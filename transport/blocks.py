@@ -11,6 +11,7 @@ Pure Python: imports no torch and no asyncio, so it runs and is tested anywhere.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 
 PAD_BLOCK_ID = 0  # the reserved null block (all zeros) that padded block tables point to
 
@@ -139,6 +140,17 @@ class BlockAllocator:
         the two is a hand-over of the block table."""
         return other is not self and other.pool is self.pool
 
+    def take(self, owner: str, num_tokens: int,
+             src: BlockAllocator | None = None) -> tuple[int, bool] | None:
+        """Room for `owner`'s `num_tokens` coming from store `src`: reserved for a hand-over
+        where `src` shares this pool, else allocated for a copy (and with no `src`). Returns
+        (blocks, is_hand_over), or None (no change) when there is not that much room."""
+        if src is not None and self.shares_memory(src):
+            num_blocks = self.blocks_for(num_tokens)
+            return (num_blocks, True) if self.reserve(owner, num_blocks) else None
+        block_ids = self.allocate(owner, num_tokens)
+        return None if block_ids is None else (len(block_ids), False)
+
     def reserve(self, owner: str, num_blocks: int) -> bool:
         """Sets `num_blocks` of this store's quota aside for `owner`, whose table another
         store of the same pool holds (`adopt` takes it over); False (no change) when the
@@ -234,6 +246,8 @@ class BlockAllocator:
         Raises:
             KeyError: `owner` holds no blocks (a double free is a bug made loud).
         """
+        if owner in self._reserved:  # a hand-over called off: its room goes back
+            return self.unreserve(owner)
         block_ids = self._table_of(owner)
         del self._tables[owner]
         for block_id in block_ids:
@@ -267,3 +281,15 @@ class BlockAllocator:
             return None
         self._num_used += num_blocks
         return [heapq.heappop(self._free_ids) for _ in range(num_blocks)]
+
+
+def allocators_for(stores: Mapping[str, tuple[str, int]], block_size: int,
+                   share_memory: bool) -> dict[str, BlockAllocator]:
+    """An allocator per store (name -> (device, blocks)); with `share_memory` the stores on
+    one device draw from one `BlockPool` (one KV tensor), each within its own blocks."""
+    totals: dict[str, int] = {}
+    for device, num_blocks in stores.values():
+        totals[device] = totals.get(device, 0) + num_blocks
+    pools = {dev: BlockPool(n) for dev, n in totals.items()} if share_memory else {}
+    return {name: BlockAllocator(n, block_size, name, pools.get(dev))
+            for name, (dev, n) in stores.items()}

@@ -7,6 +7,7 @@ pool are all a `KVStore`; they differ only in device, size and pinning. No polic
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,17 @@ class KVGeometry:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one row of a store tensor: [num_layers, 2, block_size, num_heads, head_dim]."""
         return (self.num_layers, 2, self.block_size, self.num_heads, self.head_dim)
+
+    def blocks_in(self, num_bytes: int, what: str) -> int:
+        """Whole blocks in `num_bytes` of `what` (a setting's name, for the error).
+
+        Raises:
+            ValueError: fewer than one block.
+        """
+        if num_bytes < self.bytes_per_block:
+            raise ValueError(f"{what} ({num_bytes} bytes) must hold >= 1 KV block "
+                             f"({self.bytes_per_block} bytes)")
+        return num_bytes // self.bytes_per_block
 
     @property
     def bytes_per_block(self) -> int:
@@ -120,12 +132,7 @@ class KVStore:
         Raises:
             ValueError: `num_bytes` is smaller than one block.
         """
-        num_blocks = num_bytes // geometry.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"num_bytes ({num_bytes}) of KV store {name!r} must be >= bytes_per_block "
-                f"({geometry.bytes_per_block})"
-            )
+        num_blocks = geometry.blocks_in(num_bytes, f"KV store {name!r}")
         return cls(name, geometry, num_blocks, device, pin_memory=pin_memory)
 
     def shares_memory(self, other: KVStore) -> bool:
@@ -164,3 +171,25 @@ def _resolve_pinning(name: str, device: torch.device, pin_memory: bool) -> bool:
         logger.info("KV store %s: CUDA is not available, host memory left pageable", name)
         return False
     return True
+
+
+def stores_for(layout: Mapping[str, tuple[str, int]], allocators: Mapping[str, BlockAllocator],
+               geometry: KVGeometry, pin_host: bool = False,
+               advise: Callable[[torch.Tensor], object] | None = None) -> dict[str, KVStore]:
+    """The stores of `layout` (name -> (device, blocks)) over their `allocators`: one
+    tensor per `BlockPool`, shared by the stores that draw from it; the one holding the
+    `host` pool pinned with `pin_host`; `advise` called on each one holding a prefill or
+    decode cache (the engine's huge-page advice)."""
+    tensors: dict[int, torch.Tensor] = {}
+    stores = {}
+    for name, (device, num_blocks) in layout.items():
+        pool = allocators[name].pool
+        if id(pool) not in tensors:
+            members = [m.name for m in pool.members]
+            tensors[id(pool)] = KVStore.new_tensor(geometry, pool.num_blocks, device,
+                                                   pin_memory=pin_host and "host" in members)
+            if advise is not None and any(m.startswith(("prefill", "decode")) for m in members):
+                advise(tensors[id(pool)])
+        stores[name] = KVStore(name, geometry, num_blocks, device, allocator=allocators[name],
+                               tensor=tensors[id(pool)])
+    return stores

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from aserve.core import Request, SamplingParams, Sequence
 from aserve.cores import BlockLedger
-from transport.blocks import BlockAllocator
 
 
 def ledger(**sizes: int) -> BlockLedger:
-    return BlockLedger({n: BlockAllocator(k, 4, n) for n, k in sizes.items()}, block_size=4)
+    """Stores on devices of their own: every move is a copy."""
+    return BlockLedger({n: (n, k) for n, k in sizes.items()}, block_size=4, share_memory=False)
 
 
 def seq(num_tokens: int, request_id: str = "a") -> Sequence:

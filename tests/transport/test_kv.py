@@ -37,8 +37,10 @@ def test_with_capacity_bytes_gives_floor_of_bytes_per_block(
 
 
 def test_with_capacity_below_one_block_raises_value_error(geometry: KVGeometry) -> None:
-    with pytest.raises(ValueError, match="num_bytes"):
+    with pytest.raises(ValueError, match="KV store 'pool' .* must hold >= 1 KV block"):
         KVStore.with_capacity_bytes("pool", geometry, geometry.bytes_per_block - 1, "cpu")
+    with pytest.raises(ValueError, match="host_pool_gb .* must hold >= 1 KV block"):
+        geometry.blocks_in(10, "host_pool_gb")
 
 
 def test_pin_memory_without_cuda_falls_back_to_pageable(geometry: KVGeometry) -> None:
