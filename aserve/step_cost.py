@@ -27,6 +27,7 @@ import torch
 from aserve.core import IterationRecord
 from aserve.runner import ModelRunner, WorkItem
 from models.opt import OPTConfig
+from scheduler import ceil_div
 from sim.calibrate import ATTENTION_KERNELS, fit, record_lengths
 from sim.cost import CostModel, GrowingDecodeStep, ModelGeometry
 from sim.hardware import HARDWARE, get_hardware
@@ -138,7 +139,7 @@ def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_si
     size = 2 * n
     while size <= max_batch_size:
         for length in (short, mid):
-            fits = (num_blocks - 1) // -(-(length + 1) // block_size)  # seqs the cache holds
+            fits = (num_blocks - 1) // ceil_div(length + 1, block_size)  # seqs it holds
             if fits >= size:
                 batches.append([length] * size)
         size *= 2
@@ -151,7 +152,7 @@ def _timed_step(runner: ModelRunner, kv_cache: torch.Tensor, cached: list[int],
     PROBE_REPEATS runs."""
     items, first = [], 1
     for i, length in enumerate(cached):
-        blocks = -(-(length + 1) // block_size)
+        blocks = ceil_div(length + 1, block_size)
         items.append(WorkItem([4 + i % 16], length, list(range(first, first + blocks)),
                               True, 0.0, 1.0, -1, None, 0))
         first += blocks

@@ -302,8 +302,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
         running = [s.length for s in view.running]
         # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay (over the pool nor over
-        # the lengths at hand), evictions and refills go as fcfs's: the most recent arrival
-        # goes first, and refills strictly in arrival order. Evicting the longest and
+        # the lengths at hand), evictions and admissions go as fcfs's: the most recent
+        # arrival goes first, and admissions strictly in arrival order. Evicting the longest and
         # skipping a long candidate that did not fit yet let the shorter ones behind it take
         # every block freed; the long ones decoded alone at the end (a tail of ~65 steps of
         # 1-3 seqs on the paged workload).
@@ -334,14 +334,13 @@ class AlignedPolicy(AlignedStrictPolicy):
         view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
         current = ([s for s in view.running if s.batch_id == view.current_batch_id]
                    if view.candidate_requests else [])  # only refills look at it
-        requests = by_arrival(view.candidate_requests) if fifo else self._closest_first(
-            view, current)
+        requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
-            return plan_admissions(view, requests, batch, is_strict=fifo,
+            return plan_admissions(view, requests, batch, is_strict=False,
                                    accepts=self._lowers_waste, reserve=reserve,
                                    lengths=running)
-        plan = plan_admissions(view, requests, [], is_strict=fifo,
+        plan = plan_admissions(view, requests, [], is_strict=False,
                                accepts=self._lowers_waste, reserve=reserve, lengths=running)
         if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
             return plan

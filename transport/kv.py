@@ -81,7 +81,7 @@ class KVStore:
         allocator: BlockAllocator | None = None,
         tensor: torch.Tensor | None = None,
     ) -> None:
-        """Allocates the store tensor, or shares `tensor` (`share_tensor`).
+        """Allocates the store tensor, or shares `tensor` (see `stores_for`).
 
         Args:
             pin_memory: page-lock a CPU store so host<->device copies are asynchronous. Honoured
@@ -134,10 +134,6 @@ class KVStore:
         """
         num_blocks = geometry.blocks_in(num_bytes, f"KV store {name!r}")
         return cls(name, geometry, num_blocks, device, pin_memory=pin_memory)
-
-    def shares_memory(self, other: KVStore) -> bool:
-        """Whether `other` lives in this store's KV tensor (a move is a hand-over)."""
-        return self.allocator.shares_memory(other.allocator)
 
     def __repr__(self) -> str:
         return (
