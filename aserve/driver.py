@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,7 +32,7 @@ from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv
 from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
 from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
-from transport.copy import CopyEngine
+from transport.copy import Copier
 from transport.kv import KVGeometry, KVStore, stores_for
 
 logger = logging.getLogger(__name__)
@@ -164,32 +164,11 @@ class KVSpace(BlockLedger):
         # (benchmarks/RESULTS.md §10, issue 17)
         self.stores = stores_for(layout, self.allocators, geometry, torch.cuda.is_available(),
                                  advise=advise_huge_pages)
-        self.copy_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-copy")
-        # NOTE: a copy between two CPU stores runs in the CPU device's own worker thread. In a
-        # thread of its own its OpenMP team spun against the forward pass's on the same
-        # cores (an opt-tiny iteration took ~160 ms instead of ~1 ms); a CPU has no separate
-        # copy engine to overlap with anyway. Copies touching a GPU use the copy thread.
-        self._cpu_executor = (device_executors or {}).get("cpu", self.copy_executor)
-        self._engines: dict[tuple[str, str], CopyEngine] = {}
+        # copies between CPU stores run in the CPU device's forward thread (`Copier`)
+        self.copier = Copier((device_executors or {}).get("cpu"))
 
     def __getitem__(self, name: str) -> KVStore:
         return self.stores[name]
-
-    def copy_engine(self, src_name: str, dst_name: str) -> CopyEngine:
-        """The copy engine that moves KV from store `src_name` to store `dst_name` (tests
-        reach its `fail_next` hook through this)."""
-        src, dst = self.stores[src_name], self.stores[dst_name]
-        key = (str(src.device), str(dst.device))
-        if key not in self._engines:
-            self._engines[key] = CopyEngine(src.device, dst.device)
-        return self._engines[key]
-
-    def executor(self, src_name: str, dst_name: str) -> Executor:
-        """The thread that runs copies from store `src_name` to store `dst_name`, in order."""
-        src, dst = self.stores[src_name], self.stores[dst_name]
-        if src.device.type == dst.device.type == "cpu":
-            return self._cpu_executor
-        return self.copy_executor
 
     async def copy(self, move: Move, clock: Callable[[], float]) -> None:
         """Copies a reserved move's KV and commits it. If the copy fails the error
@@ -199,16 +178,10 @@ class KVSpace(BlockLedger):
             self.commit(move, now, now)
             return
         src_ids, dst_ids = self.tables(move)
-        engine, src, dst = (self.copy_engine(move.src, move.dst), self.stores[move.src],
-                            self.stores[move.dst])
         start = clock()
-        await asyncio.get_running_loop().run_in_executor(
-            self.executor(move.src, move.dst),
-            lambda: engine.copy(src, src_ids, dst, dst_ids).wait())
+        await asyncio.wrap_future(self.copier.submit(self.stores[move.src], src_ids,
+                                                     self.stores[move.dst], dst_ids))
         self.commit(move, start, clock())
-
-    def shutdown(self) -> None:
-        self.copy_executor.shutdown(wait=True, cancel_futures=True)
 
 
 def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:

@@ -169,7 +169,7 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         ctx = self._context
-        ctx.kv.shutdown()
+        ctx.kv.copier.shutdown()
         for runner in ctx.runners.values():
             runner.shutdown()
         gc.unfreeze()  # what this engine held can be collected again

@@ -32,7 +32,7 @@ async def test_shared_stores_hand_over_and_give_the_same_tokens(policy: str) -> 
     kv = engine.ctx.kv  # type: ignore[union-attr]
     tensors = {store.tensor.data_ptr() for store in kv.stores.values()}
     assert len(tensors) == 1  # one memory, one tensor
-    assert not kv._engines  # no copy engine was ever asked for: nothing was copied
+    assert not kv.copier._engines  # no copy engine was ever asked for: nothing was copied
     paths = {(t.src.rstrip("0"), t.dst.rstrip("0")) for t in kv.transfers}
     assert {("prefill", "host"), ("host", "staging"), ("staging", "decode")} <= paths
     assert all(t.end_time == t.start_time for t in kv.transfers)

@@ -127,11 +127,11 @@ def copy_fault(engine: Engine) -> Inject:
 
     def inject(seq: Sequence, dst_name: str) -> None:
         # NOTE: on the CPU every store shares one copy engine; copies run in order on the
-        # thread that `kv.executor` names, so arming it there, right before this move's copy
-        # is queued (no await in between), makes exactly this copy fail.
-        copy_engine = kv.copy_engine(seq.location, dst_name)
-        kv.executor(seq.location, dst_name).submit(setattr, copy_engine, "fail_next",
-                                                   "injected copy failure")
+        # thread that `Copier.executor` names, so arming it there, right before this move's
+        # copy is queued (no await in between), makes exactly this copy fail.
+        src, dst = kv[seq.location], kv[dst_name]
+        kv.copier.executor(src, dst).submit(setattr, kv.copier.engine(src, dst), "fail_next",
+                                            "injected copy failure")
     return inject
 
 
