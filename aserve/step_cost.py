@@ -6,7 +6,7 @@ engine's OPT geometry on its decode device, its constants fitted by sim/calibrat
 short probe at start-up (synthetic decode steps of chosen lengths and batch sizes, ``probe``;
 run under every policy, as they are also the iteration logs' calibration rows), then
 refitted to the engine's own decode iteration records as they accumulate, where that fits
-them better than the probe's constants do.
+them better than the probe's constants do; the refits keep the probe's imbalance weight.
 
 NOTE: the records alone are a poor start: a policy that keeps batches aligned records few
 steps whose lengths differ, so the weight of imbalance cannot be told from them (a fit to
@@ -67,8 +67,11 @@ class EngineStepCost:
         self.num_fits = 0
         self.probed = [dataclasses.asdict(r) if isinstance(r, IterationRecord) else r
                        for r in probed] if len(probed) >= 3 else []
+        # the imbalance weight the probe measured, which refits keep (`refit`)
+        self.imbalance_weight: float | None = None
         if self.probed:
             self.model = self._fitted(self.probed)
+            self.imbalance_weight = self.model.params.imbalance_weight
             self.num_fits += 1
 
     def __call__(self, lengths: Sequence[int]) -> float:
@@ -85,14 +88,18 @@ class EngineStepCost:
 
     def refit(self) -> None:
         """Fits the constants to the decode records so far (pure decode steps only) and the
-        probe's steps, which weigh as much as the records in all.
+        probe's steps, which weigh as much as the records in all, keeping the imbalance
+        weight the probe measured.
 
-        NOTE: benchmarks/RESULTS.md §18. Fitted to its records alone, a padded `aligned`
-        run (64 requests) replaced the probe's imbalance weight (2.8) by 0 at its 128th
-        record, as the module's docstring warns: its aligned steps cannot tell imbalance
-        from per-seq overhead. It then mixed lengths and paid 475 padded KV tokens per
-        generated token instead of 367 (59.5 against 66.8 tok/s). The probe's steps, whose
-        lengths differ by design, keep that weight pinned; the records refine the rest."""
+        NOTE: benchmarks/RESULTS.md §18 and §21. Fitted to its records alone, a padded
+        `aligned` run (64 requests) replaced the probe's imbalance weight (2.8) by 0 at its
+        128th record, as the module's docstring warns: its aligned steps cannot tell
+        imbalance from per-seq overhead. It then mixed lengths and paid 475 padded KV tokens
+        per generated token instead of 367 (59.5 against 66.8 tok/s). With the probe's steps
+        in the fit, a noisy spell still halved it at the 32nd record (a padding price of 3.2
+        nominal bytes per byte against the probe's 5.8) and the run paid 482 instead of 380.
+        The probe's steps differ in length by design and measure that weight; the records
+        refine the rest."""
         rows = [dataclasses.asdict(r) for r in self.records
                 if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
         self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
@@ -106,7 +113,7 @@ class EngineStepCost:
 
     def _fitted(self, rows: Sequence[Mapping[str, object]]) -> CostModel:
         calibration = fit(rows, self.geometry, self.hardware.name, self.kernel,
-                          self.hardware.dtype_bytes)
+                          self.hardware.dtype_bytes, self.imbalance_weight)
         return CostModel(self.geometry, self.hardware, calibration.params, self.kernel)
 
 

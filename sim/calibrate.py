@@ -100,9 +100,13 @@ def record_lengths(record: Record) -> tuple[list[int], list[tuple[int, int]]]:
 
 def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
         hardware: str = "cpu", kernel: KernelKind = "split-k",
-        dtype_bytes: int | None = None) -> Calibration:
+        dtype_bytes: int | None = None, imbalance_weight: float | None = None) -> Calibration:
     """Fits the constants of the cost model of (`model`, `hardware`, `kernel`) to `records`
     (`model`: a name of sim/cost.py's table, or the geometry itself).
+
+    `imbalance_weight` holds the imbalance term's weight at the nominal bandwidth fixed
+    (`CostParams.imbalance_weight`) and fits the rest: records whose lengths hardly differ
+    cannot tell it from a per-seq cost (aserve/step_cost.py).
 
     Raises:
         ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1).
@@ -120,9 +124,9 @@ def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
     times = np.array([_float(r, "forward_time") for r in rows])
     q0 = hw.memory_bandwidth / hw.matmul_rate  # bytes per FLOP at equal efficiencies
     grid = q0 * np.logspace(-GRID_DECADES, GRID_DECADES, GRID_POINTS)
-    q = _best_balance(feats, times, hw.memory_bandwidth, grid)
-    coef, _ = _solve(feats, times, q, hw.memory_bandwidth)
-    has_imbalance = any(f.imbalance_bytes > 0 for f in feats)
+    q = _best_balance(feats, times, hw.memory_bandwidth, grid, imbalance_weight)
+    coef, _ = _solve(feats, times, q, hw.memory_bandwidth, imbalance_weight)
+    has_imbalance = imbalance_weight is not None or any(f.imbalance_bytes > 0 for f in feats)
     has_prefill = any(f.prefill_flops > 0 for f in feats)
     params = _to_params(coef, q, hw.memory_bandwidth, hw.matmul_rate, has_imbalance,
                         has_prefill)
@@ -164,45 +168,53 @@ def _design(feats: Sequence[Features], q: float, bw: float) -> np.ndarray:
                       q * f.prefill_flops / bw] for f in feats])
 
 
-def _solve(feats: Sequence[Features], times: np.ndarray, q: float,
-           bw: float) -> tuple[np.ndarray, float]:
-    """Non-negative least squares on relative residuals; returns (coefficients, error)."""
+def _solve(feats: Sequence[Features], times: np.ndarray, q: float, bw: float,
+           imbalance: float | None = None) -> tuple[np.ndarray, float]:
+    """Non-negative least squares on relative residuals; returns (coefficients, error).
+    `imbalance`: the imbalance column's coefficient, held fixed (None: fitted)."""
     a = _design(feats, q, bw) / times[:, None]
     b = np.ones(len(times))
     active = [j for j in range(a.shape[1]) if np.any(a[:, j])]
+    if imbalance is not None:
+        b -= imbalance * a[:, 3]
+        active = [j for j in active if j != 3]
     while True:
         coef = np.zeros(a.shape[1])
+        if imbalance is not None:
+            coef[3] = imbalance
         coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
         negative = [j for j in active if coef[j] < 0 and j != 2]  # keep the roofline term
         if not negative:
             break
         active.remove(min(negative, key=lambda j: coef[j]))
-    return coef, float(np.sum((a @ coef - b) ** 2))
+    return coef, float(np.sum((a @ coef - 1) ** 2))
 
 
 def _best_balance(feats: Sequence[Features], times: np.ndarray, bw: float,
-                  grid: np.ndarray) -> float:
+                  grid: np.ndarray, imbalance: float | None = None) -> float:
     """The bytes-per-FLOP balance with the least error. When the records cannot tell a
     range of balances apart (e.g. every iteration memory-bound), the one closest to the
     default efficiencies' balance wins: the records say nothing against the prior."""
-    errors = np.array([_solve(feats, times, q, bw)[1] for q in grid])
+    errors = np.array([_solve(feats, times, q, bw, imbalance)[1] for q in grid])
     tied = np.flatnonzero(errors <= errors.min() * (1 + 1e-3) + 1e-12 * len(times))
     if len(tied) > 2:
         prior = CostParams()
         q_prior = grid[GRID_POINTS // 2] * prior.bw_efficiency / prior.flops_efficiency
         return float(min(grid[tied], key=lambda q: abs(math.log(q / q_prior))))
     best = int(tied[0])
-    return _refine(feats, times, bw, grid[max(best - 1, 0)], grid[min(best + 1, GRID_POINTS - 1)])
+    return _refine(feats, times, bw, grid[max(best - 1, 0)],
+                   grid[min(best + 1, GRID_POINTS - 1)], imbalance)
 
 
 def _refine(feats: Sequence[Features], times: np.ndarray, bw: float, lo: float,
-            hi: float) -> float:
+            hi: float, imbalance: float | None = None) -> float:
     """Golden-section search for the best balance in [lo, hi] (log scale)."""
     a, b = math.log(lo), math.log(hi)
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(REFINE_STEPS):
         c, d = b - ratio * (b - a), a + ratio * (b - a)
-        if _solve(feats, times, math.exp(c), bw)[1] <= _solve(feats, times, math.exp(d), bw)[1]:
+        if (_solve(feats, times, math.exp(c), bw, imbalance)[1]
+                <= _solve(feats, times, math.exp(d), bw, imbalance)[1]):
             b = d
         else:
             a = c

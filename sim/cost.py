@@ -110,6 +110,12 @@ class CostParams:
     # the CPU, one SDPA call per prompt runs far slower per FLOP than the GEMMs).
     attention_slowdown: float = 0.0
 
+    @property
+    def imbalance_weight(self) -> float:
+        """Seconds of imbalance per imbalance byte, in units of one byte at the nominal
+        bandwidth (what a fit's imbalance column estimates)."""
+        return self.imbalance_scale / self.bw_efficiency
+
     def __post_init__(self) -> None:
         for name in ("step_overhead", "per_seq_overhead", "imbalance_scale",
                      "attention_slowdown"):

@@ -51,11 +51,13 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
     """An `aligned` run on padded attention records steps whose timings the fit can explain
     without any charge for the spread of lengths (here: they were made so); fitted to them
     alone, the refit dropped the probe's imbalance weight to 0 and `aligned` then mixed
-    lengths (benchmarks/RESULTS.md §18). The probe's steps weigh as much as the records."""
+    lengths (benchmarks/RESULTS.md §18). The refit keeps the probe's imbalance weight and
+    takes the rest from the records (§21)."""
     import dataclasses
 
     from aserve.core import IterationRecord
     from models.opt import OPTConfig
+    from sim.calibrate import fit
     from sim.cost import CostModel, CostParams
 
     probe_truth = CostParams(step_overhead=0.0, per_seq_overhead=7e-4, bw_efficiency=0.56,
@@ -80,6 +82,8 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
                                        max(lengths), seen.iteration_time(lengths), 0.0,
                                        False, {}, tuple(lengths), (1,) * len(lengths)))
     cost.refit()
-    assert cost.model.params.imbalance_scale > 1.0
-    alone = cost._fitted([dataclasses.asdict(r) for r in records])
+    assert cost.num_fits == 2  # the records' constants were taken...
+    assert cost.model.params.imbalance_weight == pytest.approx(cost.imbalance_weight)  # ...
+    assert cost.model.params.imbalance_scale > 1.0  # but not their price of the padding
+    alone = fit([dataclasses.asdict(r) for r in records], m.geometry, "cpu", "padded", 2)
     assert alone.params.imbalance_scale < 0.5  # what the records alone would have fitted

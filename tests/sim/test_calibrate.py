@@ -61,6 +61,22 @@ def test_fit_recovers_the_constants_that_made_the_records(kernel: KernelKind,
     assert calibration.median_rel_error < 0.01
 
 
+def test_a_fixed_imbalance_weight_is_kept_and_the_rest_fitted() -> None:
+    """Padded records hold a weight fixed; the others come out as the records say, and a
+    wrong fixed weight costs fit error rather than moving the weight."""
+    records = _records("padded")
+    truth = TRUE.imbalance_weight
+    right = fit(records, kernel="padded", imbalance_weight=truth)
+    held = right.params
+    assert right.median_rel_error < 1e-3
+    assert held.imbalance_weight == pytest.approx(truth, rel=1e-9)
+    assert held.per_seq_overhead == pytest.approx(TRUE.per_seq_overhead, rel=0.05)
+    assert held.bw_efficiency == pytest.approx(TRUE.bw_efficiency, rel=0.05)
+    wrong = fit(records, kernel="padded", imbalance_weight=truth / 3)
+    assert wrong.params.imbalance_weight == pytest.approx(truth / 3, rel=1e-9)
+    assert wrong.median_rel_error > 10 * right.median_rel_error
+
+
 def test_fit_without_lengths_still_predicts_forward_time_closely() -> None:
     records = [{k: v for k, v in r.items() if k != "lengths"} for r in _records("split-k")
                if not r["num_prefill_tokens"]]
