@@ -80,7 +80,7 @@ def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> N
 
 
 def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)  # off by default (see its NOTE)
+    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)  # the default, pinned for this test
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
     batch = tuple(SeqView(f"b{i}", SHORT, 7, 0.0, 2) for i in range(100))  # 700 blocks
     free = 600  # with the 112 held, 1/8 of the instance (89) is above the headroom
