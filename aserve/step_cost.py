@@ -96,8 +96,8 @@ class EngineStepCost:
         128th record, as the module's docstring warns: its aligned steps cannot tell
         imbalance from per-seq overhead. It then mixed lengths and paid 475 padded KV tokens
         per generated token instead of 367 (59.5 against 66.8 tok/s). With the probe's steps
-        in the fit, a noisy spell still halved it at the 32nd record (a padding price of 3.2
-        nominal bytes per byte against the probe's 5.8) and the run paid 482 instead of 380.
+        in the fit, a noisy spell still halved it at the 32nd record (`imbalance_weight` 3.2
+        against the probe's 5.8) and the run paid 482 instead of 380.
         The probe's steps differ in length by design and measure that weight; the records
         refine the rest."""
         rows = [dataclasses.asdict(r) for r in self.records

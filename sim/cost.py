@@ -112,7 +112,7 @@ class CostParams:
 
     @property
     def imbalance_weight(self) -> float:
-        """Seconds of imbalance per imbalance byte, in units of one byte at the nominal
+        """The time one imbalance byte costs, in units of one byte's time at the nominal
         bandwidth (what a fit's imbalance column estimates)."""
         return self.imbalance_scale / self.bw_efficiency
 
