@@ -97,6 +97,22 @@ def test_cli_repeats_rotate_the_order_and_report_medians(tmp_path: Path) -> None
     assert bench_cli.main(["--repeats", "0", "--json", str(tmp_path / "x.json")]) == 2
 
 
+def test_cli_rotation_goes_on_across_workloads_so_no_system_is_always_first(
+        tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    code = bench_cli.main(["--model", TINY, "--dtype", "float32", "--num-requests", "3",
+                           "--short-ratio", "0.5,1.0", "--systems", "fcfs,continuous",
+                           "--repeats", "2", "--offline", "--json", str(out)])
+    assert code == 0
+    order = [(r["workload"], r["system"]) for r in json.loads(out.read_text())["runs"]]
+    # Two systems, two repeats: a rotation restarted at i * repeats would put fcfs first
+    # on both workloads.
+    assert order == [("synthetic-s0.5", "fcfs/paged"), ("synthetic-s0.5", "continuous/paged"),
+                     ("synthetic-s0.5", "continuous/paged"), ("synthetic-s0.5", "fcfs/paged"),
+                     ("synthetic-s1", "continuous/paged"), ("synthetic-s1", "fcfs/paged"),
+                     ("synthetic-s1", "fcfs/paged"), ("synthetic-s1", "continuous/paged")]
+
+
 def test_cli_rejects_unknown_system(tmp_path: Path) -> None:
     code = bench_cli.main(["--systems", "sglang", "--json", str(tmp_path / "x.json")])
     assert code == 2 and not (tmp_path / "x.json").exists()
