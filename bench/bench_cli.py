@@ -98,14 +98,17 @@ def system_names(systems: Sequence[str], attention: Sequence[str]) -> list[str]:
 
 def run_workload(workload: Workload, systems: Sequence[str], settings: BenchSettings,
                  on_finish: Callable[[], None] | None = None, repeats: int = 1,
-                 first: int = 0) -> WorkloadRun:
+                 first: int = 0, warmup_runs: int = 0) -> WorkloadRun:
     """Runs each named system on the workload, one after another, same prompts; `repeats`
     times, the order rotated by one system each time, starting at `systems[first]` (so
     every system runs in every position: a slow spell of the machine, or a first-run cost,
-    does not fall on one system), with the machine's CPU steal recorded for each run."""
+    does not fall on one system), with the machine's CPU steal recorded for each run.
+    `warmup_runs` runs of `systems[first]` go first and are left out of the results."""
     arch = model_config(settings.model)
     sizing = size_engine(workload, arch, settings.dtype, settings.batch_requests)
     prompts = workload_prompts(workload, arch.vocab_size, settings.seed)
+    for _ in range(warmup_runs):
+        run_system(rotated(systems, first)[0], workload, prompts, sizing, settings, None)
     results = []
     for repeat in range(repeats):
         for name in rotated(systems, first + repeat):
@@ -324,6 +327,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs of every system per workload, the order rotated each time and "
                         "from one workload to the next; tables report each figure's median "
                         "(default %(default)s)")
+    p.add_argument("--warmup-runs", type=int, default=1,
+                   help="runs of the first system on the first workload before any measured "
+                        "run, left out of the results: a process's first run pays costs the "
+                        "later ones do not (default %(default)s)")
     p.add_argument("--json", required=True, default=argparse.SUPPRESS,
                    help="results file (.md and .iterations/ beside)")
     p.add_argument("--plots", default=None, help="folder for the PNG figures; None: no plots")
@@ -366,15 +373,20 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         print(f"aserve bench: error: --repeats ({args.repeats}) must be >= 1")
         return 2
+    if args.warmup_runs < 0:
+        print(f"aserve bench: error: --warmup-runs ({args.warmup_runs}) must be >= 0")
+        return 2
     total = sum(w.num_requests for w in workloads) * len(systems) * args.repeats
     with tqdm(total=total, unit="req", desc="aserve bench", mininterval=PROGRESS_S) as bar:
-        # NOTE: the rotation goes on from one workload to the next (workload i starts at
-        # systems[i mod n]). Restarted at each, it ran the first system first on every
-        # workload, and the first run on a workload spent a median 3.9 % more time in
-        # prefill than its system's later repeats (other systems' first repeats: 1.1 %;
-        # benchmarks/RESULTS.md §22): a cost that fell on one system every time.
+        # NOTE: a benchmark process's first run spent 11-15 % more time in prefill than
+        # the same system's next runs in the process (fcfs three times, three processes;
+        # decode the same; benchmarks/RESULTS.md §22), and that run was always the first
+        # system's: the warm-up run takes that cost. The rotation goes on from one workload
+        # to the next (workload i starts at systems[i mod n]) so that no system is first on
+        # every workload.
         runs = [run_workload(w, systems, settings, lambda: bar.update(1), args.repeats,
-                             first=i) for i, w in enumerate(workloads)]
+                             first=i, warmup_runs=args.warmup_runs if i == 0 else 0)
+                for i, w in enumerate(workloads)]
     print(write_outputs(runs, args, settings))
     return 0
 

@@ -113,6 +113,33 @@ def test_cli_rotation_goes_on_across_workloads_so_no_system_is_always_first(
                      ("synthetic-s1", "fcfs/paged"), ("synthetic-s1", "continuous/paged")]
 
 
+def test_cli_warm_up_run_goes_first_and_is_left_out(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, str]] = []
+    real = bench_cli.run_system
+
+    def recording(name: str, workload: Workload, *args: object) -> RunResult:
+        ran.append((workload.name, name))
+        return real(name, workload, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench_cli, "run_system", recording)
+    out = tmp_path / "warm.json"
+    code = bench_cli.main(["--model", TINY, "--dtype", "float32", "--num-requests", "3",
+                           "--short-ratio", "0.5,1.0", "--systems", "fcfs,continuous",
+                           "--offline", "--json", str(out)])  # --warmup-runs 1 by default
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    # one warm-up run, of the first system on the first workload, then the measured ones
+    assert ran == [("synthetic-s0.5", "fcfs/paged"), *((r["workload"], r["system"]) for r in runs)]
+    assert len(runs) == 4 and all(r["repeat"] == 0 for r in runs)
+    ran.clear()
+    assert bench_cli.main(["--model", TINY, "--dtype", "float32", "--num-requests", "3",
+                           "--systems", "fcfs", "--offline", "--warmup-runs", "0",
+                           "--json", str(tmp_path / "cold.json")]) == 0
+    assert len(ran) == 1
+    assert bench_cli.main(["--warmup-runs", "-1", "--json", str(tmp_path / "x.json")]) == 2
+
+
 def test_cli_rejects_unknown_system(tmp_path: Path) -> None:
     code = bench_cli.main(["--systems", "sglang", "--json", str(tmp_path / "x.json")])
     assert code == 2 and not (tmp_path / "x.json").exists()
