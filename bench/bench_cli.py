@@ -224,19 +224,36 @@ def markdown(summaries: Sequence[Summary]) -> str:
 
 def spread(run: WorkloadRun) -> str:
     """Repeated runs: each system's decode tok/s and P99 TPOT per run (in repeat order) and
-    their median, with the machine's CPU steal per run."""
+    their median, with the machine's CPU steal per run, and where each run's forward time
+    went: steps with prompt tokens (the same prompts for every policy) and decode-only
+    steps (the policy's decode work), so a gap between two systems shows as either."""
     lines = ["| system | decode tok/s median | per run | TPOT p99 ms median | per run "
-             "| CPU steal % per run |", "|---|---|---|---|---|---|"]
+             "| CPU steal % per run | prompt-step forward s per run "
+             "| decode-only steps (forward s) per run |", "|---|---|---|---|---|---|---|---|"]
     for system in run.systems:
-        each = [r.summary(run.tpot_slo) for r in run.runs(system)]
+        results = run.runs(system)
+        each = [r.summary(run.tpot_slo) for r in results]
         median = median_summary(each)
         lines.append(" | ".join([
             f"| {system}", report.fmt(median.decode_throughput, 1),
             ", ".join(report.fmt(s.decode_throughput, 1) for s in each),
             report.fmt(median.tpot_p99 * report.MS, 1),
             ", ".join(report.fmt(s.tpot_p99 * report.MS, 1) for s in each),
-            ", ".join(report.fmt(r.cpu_steal * 100, 1) for r in run.runs(system))]) + " |")
+            ", ".join(report.fmt(r.cpu_steal * 100, 1) for r in results),
+            ", ".join(report.fmt(forward_split(r)[0], 1) for r in results),
+            ", ".join(f"{forward_split(r)[2]} ({report.fmt(forward_split(r)[1], 1)})"
+                      for r in results)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def forward_split(result: RunResult) -> tuple[float, float, int]:
+    """(forward seconds of the steps with prompt tokens, forward seconds of the decode-only
+    steps, number of decode-only steps) of one run; prefill and decode instances alike."""
+    steps = [*result.prefill_iterations, *result.iterations]
+    prompt = sum(it.forward_time for it in steps if it.num_prefill_tokens > 0)
+    decode = [it.forward_time for it in steps
+              if it.num_prefill_tokens == 0 and it.batch_size >= 1]
+    return prompt, sum(decode), len(decode)
 
 
 def machine() -> str:

@@ -90,7 +90,8 @@ def test_cli_repeats_rotate_the_order_and_report_medians(tmp_path: Path) -> None
                    for r in doc["runs"] if r["system"] == row["system"])
     steal = [r["cpu_steal"] for r in doc["runs"]]
     assert all(s is None or 0 <= s <= 1 for s in steal)
-    assert "CPU steal % per run" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert "CPU steal % per run" in table and "decode-only steps (forward s) per run" in table
     logs = sorted(p.name for p in out.with_suffix(".iterations").iterdir())
     assert logs == [f"synthetic-s0.5__{s}-paged__r{r}.jsonl"
                     for s in ("continuous", "fcfs") for r in range(3)]
@@ -138,6 +139,18 @@ def test_cli_warm_up_run_goes_first_and_is_left_out(tmp_path: Path,
                            "--json", str(tmp_path / "cold.json")]) == 0
     assert len(ran) == 1
     assert bench_cli.main(["--warmup-runs", "-1", "--json", str(tmp_path / "x.json")]) == 2
+
+
+def test_forward_split_separates_prompt_steps_from_decode_work() -> None:
+    def step(instance: str, prompt_tokens: int, batch: int, seconds: float) -> IterationRecord:
+        return IterationRecord(instance, 0.0, batch, prompt_tokens, 1, 9, seconds, 0.0,
+                               False, {})
+
+    result = RunResult("fcfs/paged", [], [step("decode0", 0, 4, 0.25), step("decode0", 0, 0, 9.0),
+                                          step("decode0", 6, 3, 0.5), step("decode0", 0, 2, 0.5)],
+                       {}, 1.0, prefill_iterations=[step("prefill0", 30, 2, 2.0)])
+    # an idle step (no seqs) is neither; a mixed step with prompt tokens counts as a prompt step
+    assert bench_cli.forward_split(result) == (2.5, 0.75, 2)
 
 
 def test_cli_rejects_unknown_system(tmp_path: Path) -> None:
