@@ -36,10 +36,11 @@ BUBBLE_TPOT_P99 = 1.5  # ... and P99 TPOT >= 1.5x lower than fcfs
 NO_BUBBLE_FLOOR = 0.97  # paged: aligned >= 0.97x the better of fcfs and continuous
 FIG7_POINTS = "0.7,0.8,0.9,0.95"  # benchmarks/RESULTS.md §3
 # The sweep is prefill-bound on a 2-core CPU (prefill and decode share the cores) and one
-# run of a system varies by up to a third (RESULTS §15): each point runs the systems of the
-# target this many times in rotated order and compares medians.
+# run of a system varies by 5-12 % on a steady machine, up to a third on a loaded one
+# (RESULTS §15, §22): each point runs the systems of the target this many times in rotated
+# order, after `aserve bench`'s warm-up run, and compares medians.
 FIG7_SYSTEMS = ("aligned", "fcfs", "continuous")
-FIG7_REPEATS = int(os.environ.get("ASERVE_PAYS_REPEATS", "3"))
+FIG7_REPEATS = int(os.environ.get("ASERVE_PAYS_REPEATS", "5"))
 
 
 def ratios(doc: dict[str, object], workload: str | None = None) -> dict[str, float]:
