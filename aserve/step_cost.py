@@ -119,8 +119,9 @@ class EngineStepCost:
 
 def relative_error(model: CostModel, rows: Sequence[Mapping[str, object]]) -> float:
     """The median relative error of ``model``'s step times over iteration records."""
-    errors = [abs(model.iteration_time(*record_lengths(r)) / float(r["forward_time"]) - 1)
-              for r in rows if float(r["forward_time"]) > 0]  # type: ignore[arg-type]
+    timed = [(r, t) for r in rows
+             if isinstance(t := r["forward_time"], (int, float)) and t > 0]
+    errors = [abs(model.iteration_time(*record_lengths(r)) / t - 1) for r, t in timed]
     return statistics.median(errors) if errors else math.inf
 
 

@@ -18,6 +18,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from aserve.core import Event, IterationRecord, TransferRecord
 
@@ -217,7 +218,7 @@ def median_summary(summaries: Sequence[Summary]) -> Summary:
     if not summaries or len({s.system for s in summaries}) != 1:
         raise ValueError(f"median_summary needs runs of one system, got "
                          f"{[s.system for s in summaries]}")
-    medians = {}
+    medians: dict[str, Any] = {}  # Summary's float fields by name
     for f in fields(Summary):
         values = [v for s in summaries if isinstance(v := getattr(s, f.name), float)
                   and not math.isnan(v)]

@@ -397,7 +397,8 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
     them. None when the kernel cannot run (not built, not float32 on the CPU), so that the
     caller takes its torch path."""
     lib = _library()
-    ln_weight, ln_bias = (None, None) if norm is None else (norm.weight, norm.bias)
+    ln_weight: Tensor | None = None if norm is None else norm.weight
+    ln_bias: Tensor | None = None if norm is None else norm.bias
     tensors = [x] + [t for t in (bias, residual, ln_weight, ln_bias) if t is not None]
     if (lib is None or packed.dtype not in (torch.float32, torch.bfloat16)
             or packed.device.type != "cpu"
