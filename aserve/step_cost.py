@@ -36,7 +36,11 @@ FIRST_FIT = 32  # decode iterations recorded before the constants are first refi
 REFIT_GROWTH = 4  # then refitted each time the records have grown this many times
 PROBE_BATCH = 8  # seqs per probe step (at most the engine's max_batch_size)
 PROBE_LONGEST = 512  # KV tokens of the probe's longest seq (less if the cache is small)
-PROBE_REPEATS = 2  # each probe step runs this many times; the fastest counts
+# NOTE: each probe step runs this many times and the fastest counts. With 2, six start-ups
+# of one engine (opt-125m bf16, padded, shared 2-core CPU) fitted an imbalance weight of
+# 3.8-6.5, and two benchmark runs minutes apart made different padded decisions (519 and
+# 640 decode steps); with 6, 4.5-4.9 (benchmarks/RESULTS.md §22). The refits keep that weight.
+PROBE_REPEATS = 6
 
 
 def hardware_name(device: str) -> str:
