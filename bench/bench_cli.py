@@ -233,6 +233,7 @@ def spread(run: WorkloadRun) -> str:
     for system in run.systems:
         results = run.runs(system)
         each = [r.summary(run.tpot_slo) for r in results]
+        splits = [forward_split(r) for r in results]
         median = median_summary(each)
         lines.append(" | ".join([
             f"| {system}", report.fmt(median.decode_throughput, 1),
@@ -240,9 +241,8 @@ def spread(run: WorkloadRun) -> str:
             report.fmt(median.tpot_p99 * report.MS, 1),
             ", ".join(report.fmt(s.tpot_p99 * report.MS, 1) for s in each),
             ", ".join(report.fmt(r.cpu_steal * 100, 1) for r in results),
-            ", ".join(report.fmt(forward_split(r)[0], 1) for r in results),
-            ", ".join(f"{forward_split(r)[2]} ({report.fmt(forward_split(r)[1], 1)})"
-                      for r in results)]) + " |")
+            ", ".join(report.fmt(prompt, 1) for prompt, _, _ in splits),
+            ", ".join(f"{steps} ({report.fmt(decode, 1)})" for _, decode, steps in splits)]) + " |")
     return "\n".join(lines) + "\n"
 
 
