@@ -187,18 +187,22 @@ class AlignedPolicy(AlignedStrictPolicy):
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:
         """(None while a request starves, as ``aligned-strict``.) Pooled requests in the
-        window, shortest first while they fit; where ``alignment_pays`` says no, of any
-        length, oldest first, as fcfs refills.
+        window, shortest first while they fit; none where ``alignment_pays`` says no: there
+        the pool is served as fcfs serves it, one batch at a time.
 
-        NOTE: benchmarks/RESULTS.md §19. Oldest first within the window still kept the long
-        requests out: on the issue's paged workload (64 requests, 10 % long, decode memory
-        for ~4 long ones) the window of a running batch of short seqs matched only short
-        ones, the long ones waited for the end, and `aligned` closed each run with ~65
-        decode steps of 1-3 long seqs (fcfs: 3), 0.95x fcfs's tok/s in two of three
-        repeats."""
+        NOTE: benchmarks/RESULTS.md §19, §23. Where grouping cannot pay, a dynamic prefetch
+        has nothing to match, and what it does is bind pooled requests to one decode
+        instance early. Matching within the window kept the long requests out (the issue's
+        paged workload on the CPU: ~65 closing decode steps of 1-3 long seqs, fcfs 3);
+        matching oldest first of any length (§19's fix) bound them to whichever instance
+        asked first, and with several decode instances the others ran dry while it worked
+        through them: in the simulator, OPT-13B on 8 x H100 with split-K, 0.85x, 0.98x and
+        0.94x fcfs on the synthetic, Azure code and Azure conv backlogs (P99 TPOT up to
+        1.27x fcfs's). With no dynamic prefetch here, `aligned` makes fcfs's decisions in
+        every split-K cell."""
         if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
             return super().matching(lo, hi, max_blocks, max_requests, now)
-        return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
+        return []
 
     def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
         """Whether the model charges a batch for its spread of lengths: a full batch of half
