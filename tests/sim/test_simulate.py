@@ -203,3 +203,22 @@ def test_starvation_control_acts_in_simulation(system: str) -> None:
     for as long as short ones kept coming (~9.7 s), as if starvation control were off."""
     wait_on, wait_off = _long_request_wait(system, 0.3), _long_request_wait(system, None)
     assert wait_off > 3 * wait_on, (wait_on, wait_off)
+
+
+def test_the_decode_window_with_the_most_room_matches_first() -> None:
+    """Dynamic prefetch serves the decode instances' windows roomiest first (free slots,
+    then blocks), not by index: in index order decode0 had the first pick of every pooled
+    request, ran the largest batches and set the makespan (benchmarks/RESULTS.md §23)."""
+    from aserve.cores import BatcherCore, Window
+    from scheduler import PolicyConfig, get_policy
+    from sim.drivers import SimContext
+
+    config = ClusterConfig.create(prefill_devices=("p",), decode_devices=("d0", "d1", "d2"))
+    ctx = SimContext(config, _unit_cost(), get_policy("aligned-loose", PolicyConfig()))
+    batcher = BatcherCore(ctx)
+    batcher.report_window(0, Window(10, 100, max_blocks=500, max_requests=2))
+    batcher.report_window(1, Window(10, 100, max_blocks=50, max_requests=20))
+    batcher.report_window(2, Window(10, 100, max_blocks=400, max_requests=20))
+    assert batcher.match_order() == [2, 1, 0]
+    batcher.pending.discard(2)
+    assert batcher.match_order() == [1, 0]
