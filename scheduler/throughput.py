@@ -198,8 +198,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         asked first, and with several decode instances the others ran dry while it worked
         through them: in the simulator, OPT-13B on 8 x H100 with split-K, 0.85x, 0.98x and
         0.94x fcfs on the synthetic, Azure code and Azure conv backlogs (P99 TPOT up to
-        1.27x fcfs's). With no dynamic prefetch here, `aligned` makes fcfs's decisions in
-        every split-K cell."""
+        1.27x fcfs's). With no dynamic prefetch here, `aligned` runs at fcfs's throughput
+        and P99 TPOT in every split-K and longest-first cell of three samples."""
         if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
             return super().matching(lo, hi, max_blocks, max_requests, now)
         return []

@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from aserve.cores import BatcherCore, Window
 from bench.metrics import request_metrics
 from bench.workloads import Workload, WorkloadRequest, synthetic
-from scheduler import POLICIES
+from scheduler import POLICIES, PolicyConfig, get_policy
 from sim import (
     ClusterConfig,
     CostModel,
@@ -21,6 +22,7 @@ from sim import (
     get_hardware,
     simulate,
 )
+from sim.drivers import SimContext
 from sim.hardware import Hardware
 from tests.cores.test_differential import cost_model as differential_cost
 
@@ -209,10 +211,6 @@ def test_the_decode_window_with_the_most_room_matches_first() -> None:
     """Dynamic prefetch serves the decode instances' windows roomiest first (free slots,
     then blocks), not by index: in index order decode0 had the first pick of every pooled
     request, ran the largest batches and set the makespan (benchmarks/RESULTS.md §23)."""
-    from aserve.cores import BatcherCore, Window
-    from scheduler import PolicyConfig, get_policy
-    from sim.drivers import SimContext
-
     config = ClusterConfig.create(prefill_devices=("p",), decode_devices=("d0", "d1", "d2"))
     ctx = SimContext(config, _unit_cost(), get_policy("aligned-loose", PolicyConfig()))
     batcher = BatcherCore(ctx)
