@@ -83,6 +83,18 @@ class Summary:
     peak_blocks: dict[str, int]  # blocks_used key (a KV store, e.g. "decode1") -> peak
 
 
+def median_range(values: Iterable[float], digits: int = 2) -> str:
+    """"median [min–max]" of the finite values (the median alone for one; "–" for none):
+    how repeated runs or samples are reported."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "–"
+    mid = f"{statistics.median(finite):.{digits}f}"
+    if len(finite) == 1:
+        return mid
+    return f"{mid} [{min(finite):.{digits}f}–{max(finite):.{digits}f}]"
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation (numpy's default method).
 

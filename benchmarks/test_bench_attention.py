@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.host import tune_host_allocator
+from bench.metrics import median_range
 from models import cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.cpu_kernels import advise_huge_pages
@@ -146,10 +147,6 @@ def step_cost(model: OPTForCausalLM, batch: int, dtype: torch.dtype) -> tuple[fl
     return float(flops), float(weight_bytes + kv_elems * dtype.itemsize)
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-
-
 def test_opt125m_decode_step_vs_roofline() -> None:
     """Each of ROUNDS rounds times one floor sample (matmul, copy) and one step, in turn,
     and divides the two: the ratio's median and range over the rounds is the result, in
@@ -196,9 +193,10 @@ def test_opt125m_decode_step_vs_roofline() -> None:
                     rates.append(rate / 1e9)
                     bandwidths.append(bandwidth / 1e9)
             ratios = [s / f for s, f in zip(step_ms, floor_ms)]
-            print(f"{dtype_name:9} {batch:5} {spread(step_ms):>24} {spread(floor_ms):>24} "
+            print(f"{dtype_name:9} {batch:5} {median_range(step_ms):>24} "
+                  f"{median_range(floor_ms):>24} "
                   f"{statistics.median(rates):11.1f} {statistics.median(bandwidths):10.1f} "
-                  f"{spread(ratios):>19}x {spread(cpu_ratios):>19}x", flush=True)
+                  f"{median_range(ratios):>19}x {median_range(cpu_ratios):>19}x", flush=True)
         print(f"{dtype_name}: floor matmul {rate_dtype} {floor.a.shape[0]}^3")
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.metrics import median_range
 from bench.workloads import Workload, load_workload
 from scheduler import POLICIES
 from sim import CostModel, cluster_for, get_geometry, get_hardware
@@ -153,17 +153,6 @@ def markdown(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _spread(values: list[float], digits: int = 2) -> str:
-    """"median [min-max]" of finite values ("–" without any)."""
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "–"
-    mid = f"{statistics.median(values):.{digits}f}"
-    if len(values) == 1:
-        return mid
-    return f"{mid} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
-
-
 def _figure(c: Cell, system: str, key: str, over: str = "fcfs") -> float:
     """`system`'s `key` ÷ `over`'s in cell `c`; NaN where either run was cut off."""
     r, o = c.rows.get(system), c.rows.get(over)
@@ -194,12 +183,12 @@ def summary_markdown(cells: list[Cell]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (kernel, workload, load), group in groups.items():
         row = [kernel, workload, load, ",".join(str(c.seed) for c in group),
-               _spread([c.fcfs_imbalance_share * 100 for c in group], 1)]
-        row += [_spread([_figure(c, s, "tok_s") for c in group]) for s in others]
+               median_range([c.fcfs_imbalance_share * 100 for c in group], 1)]
+        row += [median_range([_figure(c, s, "tok_s") for c in group]) for s in others]
         p99 = [_figure(c, "aligned", "tpot_p99") for c in group]
         better = [better_ratio(c) for c in group]
         met = sum(round(b, 2) >= BAR and round(p, 2) <= 1.0 for b, p in zip(better, p99))
-        row += [_spread(p99), _spread(better, 3), f"{met}/{len(group)}"]
+        row += [median_range(p99), median_range(better, 3), f"{met}/{len(group)}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
