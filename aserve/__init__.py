@@ -1,7 +1,7 @@
 """AlignedServe: prefix-aware batching for LLM serving on raw PyTorch.
 
 Public API: `Engine`, `LLM`, `EngineConfig`, `SamplingParams`, `RequestOutput`, `generate`.
-Exports resolve lazily, so `import aserve.core` stays cheap and free of torch.
+Exports resolve lazily, so `import aserve.engine.sequence` stays cheap and free of torch.
 """
 
 from __future__ import annotations
@@ -10,24 +10,24 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "Engine": "aserve.engine",
-    "EngineConfig": "aserve.config",
-    "ModelConfig": "aserve.config",
-    "CacheConfig": "aserve.config",
-    "SchedulerConfig": "aserve.config",
-    "SamplingParams": "aserve.core",
-    "RequestOutput": "aserve.core",
-    "generate": "aserve.offline",
-    "LLM": "aserve.offline",
+    "Engine": "aserve.engine.engine",
+    "EngineConfig": "aserve.engine.config",
+    "ModelConfig": "aserve.engine.config",
+    "CacheConfig": "aserve.engine.config",
+    "SchedulerConfig": "aserve.engine.config",
+    "SamplingParams": "aserve.engine.sequence",
+    "RequestOutput": "aserve.engine.sequence",
+    "generate": "aserve.entrypoints.offline",
+    "LLM": "aserve.entrypoints.offline",
 }
 __all__ = ["LLM", "CacheConfig", "Engine", "EngineConfig", "ModelConfig", "RequestOutput",
            "SamplingParams", "SchedulerConfig", "__version__", "generate"]
 
 if TYPE_CHECKING:
-    from aserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from aserve.core import RequestOutput, SamplingParams
-    from aserve.engine import Engine
-    from aserve.offline import LLM, generate
+    from aserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from aserve.engine.engine import Engine
+    from aserve.engine.sequence import RequestOutput, SamplingParams
+    from aserve.entrypoints.offline import LLM, generate
 
 
 def _version() -> str:

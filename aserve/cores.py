@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sortedcontainers import SortedKeyList
 
-from aserve.core import (
+from aserve.engine.sequence import (
     Event,
     EventKind,
     IterationRecord,
@@ -45,7 +45,7 @@ from scheduler import (
 from transport.blocks import allocators_for
 
 if TYPE_CHECKING:
-    from aserve.config import SchedulerConfig
+    from aserve.engine.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 LOCATIONS = ("prefill", "staging", "host", "decode")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from aserve.config import EngineConfig
-from aserve.offline import run as run_async
+from aserve.engine.config import EngineConfig
+from aserve.entrypoints.offline import run as run_async
 from bench import report
 from bench.harness import (
     ENGINE_POLICIES,
@@ -293,7 +293,7 @@ def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namesp
 
 
 def _parser() -> argparse.ArgumentParser:
-    from aserve.config import ATTENTION_BACKENDS, DTYPES, HELP_FORMATTER
+    from aserve.engine.config import ATTENTION_BACKENDS, DTYPES, HELP_FORMATTER
 
     d = BenchSettings()
     p = argparse.ArgumentParser(prog="aserve bench", description=__doc__,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from aserve.config import EngineConfig
-from aserve.cuda_graphs import DecodeGraphs
-from aserve.offline import run
+from aserve.engine.config import EngineConfig
+from aserve.engine.cuda_graphs import DecodeGraphs
+from aserve.entrypoints.offline import run
 from bench.harness import model_config, run_engine, size_engine, workload_prompts
 from bench.metrics import Summary
 from bench.report import markdown_table, summary_row

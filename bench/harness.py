@@ -16,9 +16,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from aserve.config import EngineConfig
-from aserve.core import Event, IterationRecord, SamplingParams
-from aserve.engine import Engine
+from aserve.engine.config import EngineConfig
+from aserve.engine.engine import Engine
+from aserve.engine.sequence import Event, IterationRecord, SamplingParams
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, percentile, summarize
 from bench.workloads import Workload, WorkloadRequest
 from models.loader import DTYPES

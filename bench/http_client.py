@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from aserve.core import Event
+from aserve.engine.sequence import Event
 from bench.harness import OnFinish, RunResult, replay
 from bench.workloads import Workload, WorkloadRequest
 

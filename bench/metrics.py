@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from aserve.core import Event, IterationRecord, TransferRecord
+from aserve.engine.sequence import Event, IterationRecord, TransferRecord
 
 ALIGNED_RATIO = 1.5  # an iteration is aligned when max_len / min_len <= this
 # DistServe's TPOT SLO for its chatbot on OPT-13B (0.1 s): decoding at >= 10 tokens/s, about

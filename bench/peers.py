@@ -24,7 +24,7 @@ import transformers
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.streamers import BaseStreamer
 
-from aserve.core import Event
+from aserve.engine.sequence import Event
 from bench.harness import OnFinish, RunResult
 from bench.workloads import Workload
 from models.loader import load_model

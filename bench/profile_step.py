@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import aserve.runner as runner_module
-from aserve.config import ModelConfig
-from aserve.runner import ModelRunner, WorkItem
+import aserve.engine.runner as runner_module
+from aserve.engine.config import ModelConfig
+from aserve.engine.runner import ModelRunner, WorkItem
 from models.opt import Float32Linear, OPTAttention
 
 BLOCK_SIZE = 16  # tokens per KV block

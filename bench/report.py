@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from aserve.core import IterationRecord
+from aserve.engine.sequence import IterationRecord
 from bench.metrics import RequestMetrics, Summary
 
 JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]

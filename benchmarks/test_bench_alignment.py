@@ -13,7 +13,7 @@ import random
 import pytest
 
 from aserve import Engine, SamplingParams
-from aserve.core import IterationRecord
+from aserve.engine.sequence import IterationRecord
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config
 

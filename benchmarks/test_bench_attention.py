@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aserve.host import tune_host_allocator
+from aserve.engine.host import tune_host_allocator
 from bench.metrics import median_range
 from models import cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend

@@ -111,9 +111,9 @@ def test_bubble_regime_predicted() -> None:
     """The simulator (the engine's own cores and policies, on the cost model fitted to the
     scaled-down run's records) predicts the issue's full-size bubble regime in seconds: a
     check of the policies' decisions at full size before the half-hour engine run."""
+    from scheduler.calibrate import load_records
+    from scheduler.hardware import get_hardware
     from sim import CostModel, get_geometry, simulate
-    from sim.calibrate import load_records
-    from sim.hardware import get_hardware
     from sim.validate import calibration_from_header, cluster_for_bench
 
     header: dict[str, object] = {}

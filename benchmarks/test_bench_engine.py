@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aserve.config import EngineConfig
-from aserve.offline import run as run_async
+from aserve.engine.config import EngineConfig
+from aserve.entrypoints.offline import run as run_async
 from bench import bench_cli
 from bench.harness import (
     LoopLagProbe,

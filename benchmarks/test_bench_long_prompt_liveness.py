@@ -18,9 +18,9 @@ import pytest
 
 from bench.workloads import synthetic
 from scheduler import POLICIES
+from scheduler.hardware import get_hardware
 from sim import CostModel, CostParams, get_geometry, simulate
 from sim.cluster import cluster_for
-from sim.hardware import get_hardware
 
 pytestmark = pytest.mark.bench
 

@@ -70,8 +70,8 @@ def test_two_runs_agree(tmp_path: Path) -> None:
 
 
 def _serve(policy: str, port: int, sizing_args: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "aserve.cli", "serve", "--model", "opt-125m", "--dtype",
-           "bfloat16", "--policy", policy, "--port", str(port), *sizing_args]
+    cmd = [sys.executable, "-m", "aserve.entrypoints.cli", "serve", "--model", "opt-125m",
+           "--dtype", "bfloat16", "--policy", policy, "--port", str(port), *sizing_args]
     server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

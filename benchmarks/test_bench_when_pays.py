@@ -42,8 +42,8 @@ import pytest
 from bench.metrics import median_range
 from bench.workloads import Workload, load_workload
 from scheduler import POLICIES
+from scheduler.cost_model import KernelKind
 from sim import CostModel, cluster_for, get_geometry, get_hardware
-from sim.cost import KernelKind
 from sim.search import best_split, splits_of
 
 pytestmark = pytest.mark.bench

@@ -4,7 +4,8 @@ scheduling and baseline policies. Imports no torch, no asyncio, reads no clock.
 
 from __future__ import annotations
 
-from scheduler.aligned import AlignedLoosePolicy, AlignedStrictPolicy
+from scheduler.aligned import AlignedNoPrefetchPolicy, AlignedPolicy
+from scheduler.aligned_strict import AlignedLoosePolicy, AlignedStrictPolicy
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView, ceil_div, tree_range
 from scheduler.continuous import (
     ContinuousPlan,
@@ -12,12 +13,11 @@ from scheduler.continuous import (
     ContinuousScheduler,
     ContinuousSeq,
 )
-from scheduler.cost import StepTime, mixing_pays, unit_step_time
 from scheduler.dfs import anchored_search, density_first_search
 from scheduler.fcfs import FcfsPolicy
 from scheduler.policy import POLICIES, Policy, PolicyConfig, get_policy, register_policy
 from scheduler.quadtree import PooledRequest, QuadNode, QuadTree
-from scheduler.throughput import AlignedNoPrefetchPolicy, AlignedPolicy
+from scheduler.step_time import StepTime, mixing_pays, unit_step_time
 
 __all__ = [
     "POLICIES",

@@ -1,238 +1,470 @@
-"""The paper's policy: quad-tree pool, density-first search with starvation control,
-dynamic prefetch, and batch-level scheduling at iteration boundaries (docs/design.md §1, §4),
-as two fixed rules: `aligned-strict` (every batch within ``max_spread``) and `aligned-loose`
-(the paper's rules as written). The cost-aware default, `aligned`, is scheduler/throughput.py.
+"""The default policy, `aligned`: prefix-aware batching decided by predicted decode
+throughput (the driver's step-cost model, scheduler/cost.py) instead of a fixed length rule.
+
+Where attention pays for the longest sequence of the batch (padded, a per-sequence GPU
+kernel) the cost model makes mixed lengths expensive and the policy groups them; where it
+does not (paged attention on a CPU, split-K) it keeps batches full, as fcfs would.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 
+from scheduler.aligned_strict import AlignedStrictPolicy
 from scheduler.batching import (
-    MAX_RETURNS,
+    ADMIT_LOOKAHEAD,
     BoundaryPlan,
     BoundaryView,
-    LengthRange,
     SeqView,
+    admit_in_arrival_order,
     by_arrival,
-    by_distance,
-    by_length_desc,
-    median_length,
+    ceil_div,
+    growth,
     oldest_wait,
     plan_admissions,
-    plan_boundary_with,
     plan_evictions,
     take_in_order,
 )
-from scheduler.dfs import anchored_search, density_first_search
-from scheduler.policy import Policy, PolicyConfig, register_policy
-from scheduler.quadtree import QuadTree
+from scheduler.dfs import density_first_search
+from scheduler.policy import PolicyConfig, register_policy
+from scheduler.quadtree import QuadNode
+from scheduler.step_time import GrowingStep, growing_step, mixing_pays
+
+NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
+WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
+SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
+# NOTE: latency guard (benchmarks/RESULTS.md §12). TPOT counts every wait between two
+# tokens, and an evicted seq waits, in the candidate requests buffer, until blocks for all
+# its KV are free: seconds for a long one on a full decode instance, spread over few tokens.
+# So a seq that waits longer than STALL_STEPS predicted steps for its next token goes first,
+# in the order it stalled. Admissions also leave the running seqs room to grow for
+# HEADROOM_STEPS more steps (at most HEADROOM_SHARE of the instance's blocks), so that
+# evictions become rare (64 met the simulator's P99 TPOT target where the stall bound alone
+# did not). That room is held back from the candidate batch too, whose seqs wait for their
+# second token meanwhile (ShareGPT4 at trace rate: fresh requests waited 1-2 s beside a
+# decode instance with room for them), so it shrinks as the candidate batch waits: to none
+# once its oldest seq has waited HEADROOM_STEPS predicted steps, as long as the room was
+# meant to protect the running seqs for (``headroom_kept``).
+HEADROOM_STEPS = 64
+HEADROOM_SHARE = 0.125
+STALL_STEPS = 32
 
 
 @register_policy
-class AlignedStrictPolicy(Policy):
-    """Prefix-aware batching: batches of similar length, refilled by length at boundaries,
-    every running batch within ``max_spread`` (1.5 by default)."""
+class AlignedPolicy(AlignedStrictPolicy):
+    """Cost-aware prefix-aware batching: DFS's candidate subtrees, refills and batch
+    switches are weighed by the step-cost model (see ``waste``)."""
 
-    name = "aligned-strict"
-    uses_dynamic_prefetch = True
-
-    def __init__(self, config: PolicyConfig) -> None:
-        super().__init__(config)
-        self.tree = QuadTree(config.max_len, config.leaf_width)
-
-    def add(self, seq: SeqView) -> None:
-        # NOTE: starvation counts from a request's last progress (its last token), not from
-        # its arrival: one returned to the pool mid-decode has been served, and by arrival
-        # time it would count as starving at once, overtaking fresh requests that have
-        # waited longer than it without a token.
-        self.tree.insert(seq.seq_id, seq.length, seq.num_blocks, seq.wait_start)
-
-    def remove(self, seq_id: str) -> None:
-        self.tree.remove(seq_id)
-
-    def __len__(self) -> int:
-        return len(self.tree)
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self.tree
-
-    def starving_request(self, now: float) -> str | None:
-        """The oldest pooled request if it has waited longer than the threshold at ``now``."""
-        threshold = self.config.starvation_threshold
-        if threshold is None or self.starvation_clock(now) - self.tree.oldest_arrival <= threshold:
-            return None
-        return self.tree.oldest_request_id()
-
-    def starvation_clock(self, now: float) -> float:
-        """The time starvation is measured at, at ``now``: ``now`` (see ``aligned``'s)."""
-        return now
-
-    def is_starving(self, view: BoundaryView, seqs: Sequence[SeqView]) -> bool:
-        """Whether one of `seqs` has waited longer than the threshold at the boundary."""
-        return bool(seqs) and self._past_threshold(view, oldest_wait(seqs))
-
-    def is_overdue(self, view: BoundaryView, seq: SeqView) -> bool:
-        """Whether ``seq`` arrived longer than the starvation threshold ago: it is never
-        sent back to the pool, so a request served by starvation control keeps its place
-        (otherwise the next switch would return it, and it would starve again)."""
-        return self._past_threshold(view, seq.arrival_time)
-
-    def may_return(self, view: BoundaryView, seq: SeqView) -> bool:
-        """Whether a batch switch may send running ``seq`` back to the pool: not overdue,
-        and returned fewer than ``MAX_RETURNS`` times (scheduler/batching.py: liveness)."""
-        return seq.num_returns < MAX_RETURNS and not self.is_overdue(view, seq)
-
-    def _past_threshold(self, view: BoundaryView, since: float) -> bool:
-        """Whether more than the starvation threshold has passed since ``since`` at the
-        boundary (never without a threshold)."""
-        threshold = self.config.starvation_threshold
-        return threshold is not None and self.starvation_clock(view.now) - since > threshold
-
-    def next_batch(self, max_blocks: int, max_requests: int, now: float) -> list[str]:
-        """DFS, except that a starving request is served first, with the subtree around it.
-
-        NOTE: the anchored search puts the starving request in this very batch, so a long
-        request overtaken by streams of short ones waits at most threshold + one batch. If
-        it does not fit ``max_blocks`` on its own, plain DFS runs so the pool keeps moving.
-        """
-        min_requests = min(self.config.min_requests, max_requests)
-        starving_id = self.starving_request(now)
-        if starving_id is not None:
-            batch = anchored_search(self.tree, starving_id, max_blocks, min_requests,
-                                    max_requests)
-            if batch:
-                return batch
-        return self.search(max_blocks, min_requests, max_requests)
-
-    def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
-        """The next batch when no request starves: DFS."""
-        return density_first_search(self.tree, max_blocks, min_requests, max_requests)
-
-    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
-                 now: float) -> list[str]:
-        """Pooled requests with ``lo <= length <= hi``, shortest first, while they fit.
-
-        NOTE: none while a pooled request starves: matching requests would keep the running
-        batch fed, the candidate batch would never drain, and the next batch (which serves
-        the starving request) would never be formed.
-        """
-        if self.starving_request(now) is not None:
-            return []
-        candidates = ((seq_id, blocks) for _, seq_id, blocks in self.tree.requests_in_range(lo, hi))
-        return take_in_order(candidates, max_blocks, max_requests)
-
-    def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
-        """The paper's batch-level scheduling (finished seqs are already gone from the view).
-
-        - Short of room: evict the longest seq of the old batch (running seqs whose
-          batch_id differs from current_batch_id) while there is one, else the longest,
-          until the next step fits.
-        - Otherwise admit candidate requests closest in length to the current batch first
-          (they join without widening its length spread, which is the whole point), then
-          candidate-batch seqs oldest first (a batch switch; seqs that do not fit yet wait
-          for the old batch to drain, and oldest-first keeps that wait fair).
-
-        With ``max_spread`` (`aligned-strict`; see ``_plan_strict``) no refill or switch may leave
-        the running batch wider than that; ``aligned-loose`` keeps the rules above as is.
-        """
-        current = [s for s in view.running if s.batch_id == view.current_batch_id]
-        old = [s for s in view.running if s.batch_id != view.current_batch_id]
-
-        def victims() -> list[SeqView]:
-            return by_length_desc(old) + by_length_desc(current)
-        # NOTE: starvation at the boundary. An evicted long request can wait in the candidate
-        # requests buffer behind closer-length ones forever, and candidate requests matching
-        # the running batch can keep it fed while a starving request waits in the candidate
-        # batch; smaller neighbours would keep taking the room it needs. So a buffer holding a
-        # starving request goes first, strictly in arrival order, alignment aside.
-        if self.is_starving(view, view.candidate_requests):
-            return plan_boundary_with(view, victims, by_arrival(view.candidate_requests), [],
-                                      is_strict=True)
-        if self.is_starving(view, view.candidate_batch):
-            return plan_boundary_with(view, victims, [], by_arrival(view.candidate_batch),
-                                      is_strict=True)
-        if self.config.max_spread is None:
-            return plan_boundary_with(view, victims, self._closest_first(view, current),
-                                      by_arrival(view.candidate_batch), is_strict=False)
-        return self._plan_strict(view, current, old, victims)
-
-    @staticmethod
-    def _closest_first(view: BoundaryView, current: Sequence[SeqView]) -> list[SeqView]:
-        """Candidate requests closest in length to the current batch (else the running
-        seqs, else the candidate batch) first; in arrival order when all are empty."""
-        if not view.candidate_requests:
-            return []
-        reference = next((m for m in (median_length(current), median_length(view.running),
-                                      median_length(view.candidate_batch)) if m is not None),
-                         None)
-        if reference is None:
-            return by_arrival(view.candidate_requests)
-        return by_distance(view.candidate_requests, reference)
-
-    def _plan_strict(self, view: BoundaryView, current: Sequence[SeqView],
-                     old: Sequence[SeqView],
-                     victims: Callable[[], Sequence[SeqView]]) -> BoundaryPlan:
-        """Strict alignment (`aligned-strict`, ``max_spread``). Every admission, candidate request
-        or candidate batch seq, keeps the running seqs within ``max_spread``; seqs only grow,
-        so a batch admitted within it stays within it. A switch to a candidate batch that
-        does not fit waits for the old batch to drain, down to ``drain_floor`` of the batch
-        slots; then the few left go back to the host pool (``_switch``). Old-batch victims go
-        back to the pool too (they match neither batch). Requests that arrived longer than
-        the starvation threshold ago are never sent back.
-
-        NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
-        in). On tests/cores/test_alignment.py's pool this keeps 100 % of iterations within
-        1.5x, but it costs decode throughput: 0.72-0.96x fcfs on the CPU sweep, about half
-        of aligned-loose's in the simulator where decode is the bottleneck. The other
-        designs measured and their costs are in benchmarks/RESULTS.md section 3.
-        """
-        evict = plan_evictions(view, victims)
-        if evict:
-            returned = {s.seq_id for s in old if self.may_return(view, s)}
-            return BoundaryPlan(evict=tuple(i for i in evict if i not in returned),
-                                to_pool=tuple(i for i in evict if i in returned))
-        spread = self.config.max_spread
-        requests = self._closest_first(view, current)
-        batch = by_arrival(view.candidate_batch)
-        plan = plan_admissions(view, requests, batch, is_strict=False, max_spread=spread)
-        floor = int(self.config.drain_floor * view.max_batch_size)
-        if plan.admit_batch or not batch or len(view.running) > floor:
-            return plan
-        return self._switch(view, requests, batch, unswitched=plan)
-
-    def _switch(self, view: BoundaryView, requests: Sequence[SeqView],
-                batch: Sequence[SeqView], unswitched: BoundaryPlan) -> BoundaryPlan:
-        """A batch switch once the old batch has drained to its stragglers: running seqs
-        and candidate requests that do not fit ``max_spread`` with the candidate batch
-        return to the pool, then admission runs again on the room they free. If the
-        candidate batch would not get in even then, nothing is returned: ``unswitched``,
-        the plan without the switch, stands."""
-        spread = self.config.max_spread
-        assert spread is not None, "only strict alignment switches this way"
-        batch_range = LengthRange.of(s.length for s in batch)
-        stale = [s for s in (*view.running, *view.candidate_requests)
-                 if not batch_range.fits(s.length, spread)
-                 and self.may_return(view, s)]
-        stale_ids = {s.seq_id for s in stale}
-        kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
-        freed = sum(s.num_blocks for s in view.running if s.seq_id in stale_ids)
-        after = dataclasses.replace(view, running=kept, free_blocks=view.free_blocks + freed)
-        requests = [s for s in requests if s.seq_id not in stale_ids]
-        plan = plan_admissions(after, requests, batch, is_strict=False, max_spread=spread)
-        if not plan.admit_batch:
-            return unswitched
-        return dataclasses.replace(plan, to_pool=tuple(s.seq_id for s in stale))
-
-
-@register_policy
-class AlignedLoosePolicy(AlignedStrictPolicy):
-    """The paper's rules as written, without the spread bound: a widened prefetch window,
-    refills closest in length first, and switches that mix the old and new batch until
-    the old one drains (``max_spread`` is ignored)."""
-
-    name = "aligned-loose"
+    name = "aligned"
+    uses_step_cost = True
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(dataclasses.replace(config, max_spread=None))
+        self._slots = 1  # the device's batch slots, learned at the first boundary
+        # the ideal per-token cost line (base, slope) and what it was probed for: the step
+        # model, its version (``num_fits``: a driver may refit it) and the slots
+        self._line: tuple[float, float] | None = None
+        self._line_key: tuple[object, ...] = ()
+        # per decision: the refilled batch's step as admissions grow it (``_lowers_waste``),
+        # and the step times asked so far and in the last decision (the same lengths are
+        # costed by several rules)
+        self._refill: Refill | None = None
+        self._running_step: tuple[list[int], GrowingStep] | None = None  # (lengths, step)
+        self._times: dict[tuple[int, ...], float] = {}
+        self._last_times: dict[tuple[int, ...], float] = {}
+        self._last_arrival = -math.inf  # the latest arrival seen so far (starvation_clock)
+        self._pays: dict[tuple[int, int], bool] = {}  # alignment_pays by (shortest, longest)
+
+    def add(self, seq: SeqView) -> None:
+        super().add(seq)
+        self._last_arrival = max(self._last_arrival, seq.arrival_time)
+
+    def starvation_clock(self, now: float) -> float:
+        """Starvation is being overtaken by later arrivals, so its clock is the latest
+        arrival seen so far, pooled or at a boundary (never past ``now``): a request starves
+        once requests that arrived more than the threshold after its last progress are
+        served or waiting beside it.
+
+        NOTE: benchmarks/RESULTS.md §13. Measured from ``now``, every request of a backlog
+        that arrives at once (offline) starves once the threshold has passed, and serving
+        them in arrival order, alignment aside, mixed long and short seqs in a third of the
+        padded CPU run's steps (each pays for the longest): 29.8 predicted tok/s against
+        39.9 with starvation off, and a P99 TPOT of 2.0 s against 1.4 s, since a backlog's
+        P99 TPOT is set by its makespan. Such a backlog is finite, so it drains in the
+        order the cost model prefers (liveness as with the threshold off); under a stream
+        the latest arrival is about ``now`` and the threshold bounds waits as before."""
+        return min(now, self._last_arrival)
+
+    def _begin(self, slots: int) -> None:
+        """A decision starts: its cost figures are taken afresh where the model changed."""
+        self._slots = max(self._slots, slots)
+        key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
+        changed = key != self._line_key
+        if changed:
+            self._line, self._line_key = None, key
+            self._pays.clear()
+        self._refill = None
+        self._running_step = None
+        # the last decision's step times stay at hand for one more (a staged candidate batch
+        # is costed at every boundary while it waits) unless the model changed
+        self._last_times, self._times = ({}, {}) if changed else (self._times, {})
+
+    def _time(self, lengths: Sequence[int]) -> float:
+        """``step_time``, each batch costed once within a decision (and the one before)."""
+        key = tuple(lengths)
+        time = self._times.get(key)
+        if time is None:
+            time = self._last_times.get(key)
+            self._times[key] = time = self.step_time(key) if time is None else time
+        return time
+
+    def ideal(self, length: float) -> float:
+        """Predicted step time per token in a full batch of seqs of one ``length``: linear
+        in the length (weights and overheads shared by ``slots`` seqs, plus the KV read),
+        so two probes of the model give it for every length."""
+        if self._line is None:
+            slots, top = self._slots, self.config.max_len
+            base = self.step_time([1] * slots) / slots
+            self._line = (base, (self.step_time([top] * slots) / slots - base) / (top - 1))
+        base, slope = self._line
+        return base + slope * (length - 1)
+
+    # -- the cost model ------------------------------------------------------------------
+    def waste(self, lengths: Sequence[int]) -> float:
+        """Predicted step time per token beyond what the same tokens cost in full batches
+        of one length each (0: no waste): padding, imbalance, and the fixed part of a step
+        left unshared by a small batch.
+
+        Raw tokens per second would always favour the shortest requests and leave the long
+        ones for later, half-empty batches; charging each token only the waste lets every
+        length be served at its own cost (``ideal``, linear in the length, so the tokens'
+        ideal cost is that of their mean length).
+        """
+        if not lengths:
+            return 0.0
+        n = len(lengths)
+        return self._time(lengths) / n - self.ideal(sum(lengths) / n)
+
+    def _less_waste(self, waste: float, than: float) -> bool:
+        """Whether waste ``waste`` is less than ``than``, beyond rounding."""
+        return waste < than - WASTE_TOLERANCE * self.ideal(1) * self._slots
+
+    def _lengths(self, ids: Sequence[str]) -> list[int]:
+        return self.tree.lengths(ids)
+
+    # -- the pool ------------------------------------------------------------------------
+    def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
+        """(A starving request's subtree goes first, as ``aligned-strict``.) When the whole
+        pool fits, the whole pool, unless splitting it by length is predicted faster (then
+        the part that wastes less). Otherwise DFS, choosing among the subtrees at its first
+        fork (a node with two or more populated children) by the least ``waste`` per token
+        instead of by the request count alone; below the fork DFS descends by density."""
+        self._begin(max_requests)
+        root = self.tree.root
+        if root.num_requests == 0:
+            return []
+        if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
+            return self._whole_or_split()
+        if not self.alignment_pays():
+            return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
+        candidates = [density_first_search(self.tree, max_blocks, min_requests, max_requests)]
+        fork = self._first_fork(root, max_blocks)
+        if fork is not None:
+            candidates += [density_first_search(self.tree, max_blocks, min_requests,
+                                                max_requests, start=child)
+                           for child in fork.children
+                           if child.num_requests and child.min_blocks <= max_blocks]
+        best: list[str] = []
+        best_waste = 0.0
+        for ids in candidates:  # density's choice first: it stands unless another wastes less
+            waste = self.waste(self._lengths(ids)) if ids else 0.0
+            if ids and (not best or self._less_waste(waste, best_waste)):
+                best, best_waste = ids, waste
+        return best
+
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float) -> list[str]:
+        """(None while a request starves, as ``aligned-strict``.) Pooled requests in the
+        window, shortest first while they fit; none where ``alignment_pays`` says no: there
+        the pool is served as fcfs serves it, one batch at a time.
+
+        NOTE: benchmarks/RESULTS.md §19, §23. Where grouping cannot pay, a dynamic prefetch
+        has nothing to match, and what it does is bind pooled requests to one decode
+        instance early. Matching within the window kept the long requests out (the issue's
+        paged workload on the CPU: ~65 closing decode steps of 1-3 long seqs, fcfs 3);
+        matching oldest first of any length (§19's fix) bound them to whichever instance
+        asked first, and with several decode instances the others ran dry while it worked
+        through them: in the simulator, OPT-13B on 8 x H100 with split-K, 0.85x, 0.98x and
+        0.94x fcfs on the synthetic, Azure code and Azure conv backlogs (P99 TPOT up to
+        1.27x fcfs's). With no dynamic prefetch here, `aligned` runs at fcfs's throughput
+        and P99 TPOT in every split-K and longest-first cell of three samples."""
+        if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
+            return super().matching(lo, hi, max_blocks, max_requests, now)
+        return []
+
+    def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
+        """Whether the model charges a batch for its spread of lengths: a full batch of half
+        the shortest and half the longest of the pool and ``lengths`` (a running batch's
+        window, the lengths at a boundary) is predicted slower than one of the same size
+        and the same total KV in equal lengths (padded attention pays for the longest, a
+        per-sequence kernel for its imbalance; a paged or split-K step costs its total
+        work, so there grouping by length cannot pay).
+
+        NOTE: benchmarks/RESULTS.md §16, eighth stop. Where it cannot, density-first search
+        still chose the densest, shortest subtrees and left the longest requests for last:
+        at 70 % short on the 2-core CPU (paged), decode memory holds ~4 of them, and
+        `aligned` ended each run with ~44 decode steps of 1-6 long seqs (3.1 s, against
+        fcfs's 24 and 0.9 s) and a P99 TPOT 1.7x fcfs's. There the pool is served oldest
+        first, as fcfs serves it."""
+        # NOTE: benchmarks/RESULTS.md §19. The pool alone near the end of a backlog holds one
+        # request or none, and then says nothing: dynamic prefetch took any length, and a
+        # padded run mixed its last long requests into short batches (460-495 padded KV
+        # tokens per generated token against 362-375).
+        root = self.tree.root
+        if root.num_requests:
+            lengths = [*lengths, next(root.requests())[0], next(root.requests(reverse=True))[0]]
+        if not lengths:
+            return False
+        shortest, longest = min(lengths), max(lengths)
+        if shortest == longest:
+            return False
+        pays = self._pays.get((shortest, longest))
+        if pays is None:  # asked at every boundary: once per pair of lengths and model
+            half = max(1, self._slots // 2)
+            middle = (shortest + longest) // 2
+            spread = self._time([shortest] * half + [longest] * half)
+            equal = self._time([middle] * half + [shortest + longest - middle] * half)
+            pays = self._pays[shortest, longest] = spread > equal * (1 + SPREAD_TOLERANCE)
+        return pays
+
+    @staticmethod
+    def _first_fork(node: QuadNode, max_blocks: int) -> QuadNode | None:
+        """The first node on DFS's path with two or more children holding a request that
+        fits; None when the path reaches a leaf first."""
+        while not node.is_leaf:
+            viable = [c for c in node.children if c.num_requests and c.min_blocks <= max_blocks]
+            if len(viable) >= 2:
+                return node
+            if not viable:
+                return None
+            node = viable[0]
+        return None
+
+    def _whole_or_split(self) -> list[str]:
+        """The whole pool, or its shorter or longer part where the model predicts that
+        running the two parts apart beats one step over all (padded attention)."""
+        ordered = sorted(self.tree.root.requests(), key=lambda item: (item[0], item[1]))
+        lengths = [length for length, _, _ in ordered]
+        n = len(lengths)
+        cuts = sorted({n * k // NUM_SPLITS for k in range(1, NUM_SPLITS)} - {0, n})
+        best, best_time = n, self.step_time(lengths)
+        for cut in cuts:
+            time = self.step_time(lengths[:cut]) + self.step_time(lengths[cut:])
+            if time < best_time:
+                best, best_time = cut, time
+        if best == n:
+            return [seq_id for _, seq_id, _ in ordered]
+        short, long = ordered[:best], ordered[best:]
+        wastes = [self.waste([length for length, _, _ in part]) for part in (long, short)]
+        part = long if self._less_waste(*wastes) else short
+        return [seq_id for _, seq_id, _ in part]
+
+    # -- the boundary --------------------------------------------------------------------
+    def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
+        """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
+        room, evict the old batch's longest, then the current batch's. Where grouping cannot
+        pay (``alignment_pays`` over the pool and the lengths at hand), evictions and
+        admissions go as fcfs's: the latest arrival is evicted, and the candidate requests
+        and the candidate batch are admitted as one queue, strictly in arrival order.
+        Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first,
+        strictly in the order they stalled (nothing else joins until they do). Otherwise,
+        with ``HEADROOM_STEPS`` of
+        growth kept free (``with_headroom``; less as the candidate batch waits,
+        ``headroom_kept``):
+
+        - a candidate request joins when it does not raise the running batch's ``waste``
+          per token (a refill that raises predicted throughput for its work);
+        - the candidate batch joins the running seqs (oldest first, as room allows) when
+          one step over both is predicted no slower than a step of each
+          (``mixing_pays``). Else the running batch drains first, down to ``drain_floor``
+          of the slots; then its stragglers that would not mix go back to the pool (each
+          seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
+        """
+        self._begin(view.max_batch_size)
+        self._last_arrival = max(self._last_arrival, max(
+            (s.arrival_time for seqs in (view.running, view.candidate_requests,
+                                         view.candidate_batch) for s in seqs),
+            default=self._last_arrival))
+        batch_wait = oldest_wait(view.candidate_batch) if view.candidate_batch else None
+        if self.is_starving(view, view.candidate_requests) or (
+                batch_wait is not None and self._past_threshold(view, batch_wait)):
+            return super().plan_boundary(view)
+        # NOTE: one pass over the running seqs for the growth that admissions reserve; the
+        # next step's own growth is at most that, so only a larger one can call for evictions.
+        reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+        running = [s.length for s in view.running]
+        # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay (over the pool nor over
+        # the lengths at hand), evictions and admissions go as fcfs's: the most recent
+        # arrival goes first, and admissions strictly in arrival order. Evicting the longest and
+        # skipping a long candidate that did not fit yet let the shorter ones behind it take
+        # every block freed; the long ones decoded alone at the end (a tail of ~65 steps of
+        # 1-3 seqs on the issue's paged workload).
+        fifo = not self.alignment_pays([*running, *(s.length for s in (
+            *view.candidate_requests, *view.candidate_batch))])
+        if reserve > view.free_blocks:
+            evict = plan_evictions(view, lambda: (
+                by_arrival(view.running)[::-1] if fifo else self._victims(view)))
+            if evict:
+                return BoundaryPlan(evict=evict)
+        if fifo:
+            # NOTE: benchmarks/RESULTS.md §20. Both buffers as one queue, strictly oldest
+            # first, with no headroom kept: fcfs's admission. Refills of candidate requests
+            # (stalled ones first) had kept going past an older candidate batch that was
+            # waiting to mix or drain: five long requests waited ~2 s in staging while 25
+            # later ones went past them, then decoded in a tail of small steps (149 decode
+            # steps at 70 % short on the Fig. 7 sweep, fcfs 140; the simulator, replaying
+            # the engine's own records, gave the same counts). With this rule: 139.
+            return admit_in_arrival_order(view, reserve, running)
+        if running and view.candidate_requests:  # a refill may follow: its step, costed
+            # once for the stall bound and the refill's first question alike
+            step = growing_step(self.step_time, running, self._time)
+            self._times.setdefault(tuple(running), step.time())
+            self._running_step = (running, step)
+        stalled = self._stalled(view, running)
+        if stalled:
+            return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
+        view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
+        current = ([s for s in view.running if s.batch_id == view.current_batch_id]
+                   if view.candidate_requests else [])  # only refills look at it
+        requests = self._closest_first(view, current)
+        batch = by_arrival(view.candidate_batch)
+        if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
+            return plan_admissions(view, requests, batch, is_strict=False,
+                                   accepts=self._lowers_waste, reserve=reserve,
+                                   lengths=running)
+        plan = plan_admissions(view, requests, [], is_strict=False,
+                               accepts=self._lowers_waste, reserve=reserve, lengths=running)
+        if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
+            return plan
+        return self._switch_to(view, batch, unswitched=plan)
+
+    @staticmethod
+    def _victims(view: BoundaryView) -> list[SeqView]:
+        """Eviction order: the old batch's seqs, then the current batch's, longest first."""
+        return sorted(view.running, key=lambda s: (s.batch_id == view.current_batch_id,
+                                                   -s.length))
+
+    def _stalled(self, view: BoundaryView, running: Sequence[int]) -> list[SeqView]:
+        """Candidate requests (evicted seqs, mostly) without a token for longer than
+        ``STALL_STEPS`` predicted steps of the running batch, longest stalled first."""
+        if not view.candidate_requests:
+            return []
+        bound = self._stall_bound(running, STALL_STEPS)
+        stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
+        return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
+
+    def headroom_kept(self, now: float, running: Sequence[int],
+                      batch_wait: float | None) -> float:
+        """The share of the headroom kept at ``now``: 1 with no candidate batch
+        (``batch_wait`` None, else its oldest seq's ``wait_start``), less as that seq waits,
+        0 after ``HEADROOM_STEPS`` predicted steps of ``running``."""
+        if batch_wait is None or not running or not HEADROOM_STEPS:
+            return 1.0
+        bound = self._stall_bound(running, HEADROOM_STEPS)
+        return max(0.0, 1.0 - (now - batch_wait) / bound) if bound > 0 else 0.0
+
+    def _stall_bound(self, running: Sequence[int], steps: int) -> float:
+        """Seconds of ``steps`` predicted steps of the running batch (0 with none)."""
+        return steps * self._time(running) if running else 0.0
+
+    def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
+        """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token.
+
+        NOTE: decision time (benchmarks/RESULTS.md §12). The admission loop asks this of
+        each candidate in turn with one list, ``lengths``, that only grows (admitted seqs
+        are appended), so the batch is costed as a ``growing_step``: with the model's
+        incremental form a candidate costs O(1), not a pass over ~250 running seqs."""
+        if not lengths:
+            return True
+        refill = self._refill
+        if refill is None or refill.lengths is not lengths:
+            running = self._running_step
+            self._running_step = None  # the refill grows it: it serves one refill only
+            step = (running[1] if running is not None and running[0] == lengths
+                    else growing_step(self.step_time, lengths, self._time))
+            size, total = len(lengths), sum(lengths)
+            self._refill = refill = Refill(lengths, step, size, total,
+                                           self._step_waste(step, size, total))
+        elif refill.size != len(lengths):  # seqs were admitted since the last question
+            for length in lengths[refill.size:]:
+                refill.step.add(length)
+            refill.size, refill.total = len(lengths), sum(lengths)
+            refill.waste = self._step_waste(refill.step, refill.size, refill.total)
+        size, total = refill.size, refill.total
+        joined = (refill.step.time_with(seq.length) / (size + 1)
+                  - self.ideal((total + seq.length) / (size + 1)))
+        return not self._less_waste(refill.waste, joined)
+
+    def _step_waste(self, step: GrowingStep, size: int, total: int) -> float:
+        """``waste`` of the ``size`` lengths summing to ``total`` that ``step`` holds."""
+        return step.time() / size - self.ideal(total / size)
+
+    def _switch_to(self, view: BoundaryView, batch: Sequence[SeqView],
+                   unswitched: BoundaryPlan) -> BoundaryPlan:
+        """The old batch has drained to its stragglers: those that would not mix with the
+        candidate batch (and ``may_return``) go back to the pool,
+        then the candidate batch is admitted in the room they free. ``unswitched`` stands
+        if the candidate batch would not get in even then."""
+        lengths = [s.length for s in batch]
+        stale = [s for s in view.running
+                 if self.may_return(view, s)
+                 and not mixing_pays(self._time, lengths, [s.length])]
+        stale_ids = {s.seq_id for s in stale}
+        kept = tuple(s for s in view.running if s.seq_id not in stale_ids)
+        freed = sum(s.num_blocks for s in stale)
+        after = dataclasses.replace(view, running=kept, free_blocks=view.free_blocks + freed)
+        plan = plan_admissions(after, [], batch, is_strict=False)
+        if not plan.admit_batch:
+            return unswitched
+        return dataclasses.replace(plan, to_pool=tuple(sorted(stale_ids)))
+
+
+@dataclasses.dataclass(slots=True)
+class Refill:
+    """The batch an admission loop refills: its lengths list (the loop's own, appended to
+    as seqs are admitted), its step, and the count, sum and waste of the lengths in it."""
+
+    lengths: list[int]
+    step: GrowingStep
+    size: int
+    total: int
+    waste: float  # ``waste`` of the lengths in the step
+
+
+def with_headroom(view: BoundaryView, kept: float = 1.0) -> BoundaryView:
+    """``view`` with the running seqs' growth over ``HEADROOM_STEPS`` steps (at most
+    ``HEADROOM_SHARE`` of the instance's blocks), times ``kept``, taken out of its free
+    blocks: what admissions may fill without an eviction soon after."""
+    if not view.running or not HEADROOM_STEPS or kept <= 0:
+        return view
+    growth = ceil_div(len(view.running) * HEADROOM_STEPS, view.block_size)
+    if growth > int(HEADROOM_SHARE * view.free_blocks):  # the cap may bind: count the held
+        held = sum(s.num_blocks for s in view.running)
+        growth = min(growth, int(HEADROOM_SHARE * (held + view.free_blocks)))
+    reserve = int(kept * growth)
+    return dataclasses.replace(view, free_blocks=max(0, view.free_blocks - reserve))
+
+
+@register_policy
+class AlignedNoPrefetchPolicy(AlignedPolicy):
+    """Ablation: the same decisions, but KV goes host -> decode directly, no prefetch."""
+
+    name = "aligned-noprefetch"
+    uses_staging = False
+    uses_dynamic_prefetch = False
+
+    def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
+                 now: float) -> list[str]:
+        return []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
-from scheduler.cost import StepTime, unit_step_time
+from scheduler.step_time import StepTime, unit_step_time
 
 
 @dataclass(frozen=True, slots=True)

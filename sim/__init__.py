@@ -5,7 +5,7 @@ engine; it emits the engine's lifecycle events and iteration records.
 
 from __future__ import annotations
 
-from sim.calibrate import (
+from scheduler.calibrate import (
     Calibration,
     calibrate,
     fit,
@@ -13,8 +13,7 @@ from sim.calibrate import (
     load_records,
     save_calibration,
 )
-from sim.cluster import ClusterConfig, cluster_for
-from sim.cost import (
+from scheduler.cost_model import (
     GEOMETRIES,
     KERNELS,
     CostModel,
@@ -23,7 +22,8 @@ from sim.cost import (
     ModelGeometry,
     get_geometry,
 )
-from sim.hardware import HARDWARE, Hardware, get_hardware
+from scheduler.hardware import HARDWARE, Hardware, get_hardware
+from sim.cluster import ClusterConfig, cluster_for
 from sim.run import SimResult, simulate
 
 __all__ = [

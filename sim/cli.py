@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from aserve.config import HELP_FORMATTER, SchedulerConfig, spread_arg
+from aserve.engine.config import HELP_FORMATTER, SchedulerConfig, spread_arg
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
 from bench.report import (
     Caption,
@@ -28,7 +28,7 @@ from bench.report import (
     write_json,
 )
 from bench.workloads import Workload, load_workload
-from sim.calibrate import (
+from scheduler.calibrate import (
     ATTENTION_KERNELS,
     DTYPE_BYTES,
     fit,
@@ -36,9 +36,9 @@ from sim.calibrate import (
     load_records,
     save_calibration,
 )
+from scheduler.cost_model import KERNELS, CostModel, CostParams, KernelKind, get_geometry
+from scheduler.hardware import get_hardware
 from sim.cluster import ClusterConfig, cluster_for
-from sim.cost import KERNELS, CostModel, CostParams, KernelKind, get_geometry
-from sim.hardware import get_hardware
 from sim.search import (
     DEFAULT_HORIZON,
     DEFAULT_MAX_EVENTS,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import msgspec
 
-from aserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from aserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from scheduler import ceil_div
-from sim.cost import ModelGeometry
-from sim.hardware import Hardware
+from scheduler.cost_model import ModelGeometry
+from scheduler.hardware import Hardware
 
 MEMORY_UTILIZATION = 0.9  # share of device / host memory the KV and weights may use
 SCRATCH_SHARE = 0.25  # share of a prefill device's free memory kept as prefill scratch

@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from aserve.core import SeqStatus
 from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
+from aserve.engine.sequence import SeqStatus
 from scheduler import Policy
+from scheduler.cost_model import CostModel
 from sim.cluster import ClusterConfig
-from sim.cost import CostModel
 from sim.loop import Device, EventLoop
 
 

@@ -2,8 +2,8 @@
 and links.
 
 Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
-`scheduler/`), no costs (that is `sim.cost`). Events at the same time run in the order they
-were scheduled.
+`scheduler/`), no costs (that is `scheduler.cost_model`). Events at the same time run in
+the order they were scheduled.
 """
 
 from __future__ import annotations

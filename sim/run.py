@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from aserve.core import Event, IterationRecord, Request, SamplingParams, TransferRecord
-from aserve.core import Sequence as SeqState
+from aserve.engine.sequence import Event, IterationRecord, Request, SamplingParams, TransferRecord
+from aserve.engine.sequence import Sequence as SeqState
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, summarize
 from bench.workloads import Workload
 from scheduler import PolicyConfig, get_policy, tree_range
+from scheduler.cost_model import CostModel
 from sim.cluster import ClusterConfig
-from sim.cost import CostModel
 from sim.drivers import Instance, SimContext
 
 MIN_TREE_RANGE = 2048  # quad-tree range floor: OPT's position table (tokens)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from bench.metrics import DEFAULT_TPOT_SLO, Summary
 from bench.workloads import Workload
 from scheduler import POLICIES
+from scheduler.cost_model import CostModel
 from sim.cluster import ClusterConfig
-from sim.cost import CostModel
 from sim.run import SimResult, simulate
 
 Split = tuple[int, int]  # (prefill devices, decode devices)

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
-from sim.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
+from scheduler.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
+from scheduler.cost_model import CostModel, KernelKind, get_geometry
+from scheduler.hardware import get_hardware
 from sim.cluster import ClusterConfig
-from sim.cost import CostModel, KernelKind, get_geometry
-from sim.hardware import get_hardware
 from sim.run import simulate
 
 METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
@@ -98,7 +98,7 @@ def validate(header: Mapping[str, object], records: Sequence[Record],
     """Predicts every measured system on `workload` and prints a markdown table.
 
     Args:
-        header, records: the calibration run (see `sim.calibrate.load_records`).
+        header, records: the calibration run (see `scheduler.calibrate.load_records`).
         measured: result rows of the run to predict ("system" plus Summary fields).
         workload: the workload that run replayed (same requests, same arrivals).
         config: the engine's cluster; by default read from the header.

@@ -55,7 +55,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_config(model: str = "opt-tiny", **kwargs: object):  # type: ignore[no-untyped-def]
     """An EngineConfig for tests: small caches, flat keyword overrides."""
-    from aserve.config import EngineConfig
+    from aserve.engine.config import EngineConfig
 
     defaults: dict[str, object] = dict(model=model, dtype="float32", block_size=16,
                                        num_decode_blocks=256, num_prefill_blocks=256,

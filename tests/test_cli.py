@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aserve import cli
-from aserve.config import ATTENTION_BACKENDS, add_engine_args, engine_config_from_args
+from aserve.engine.config import ATTENTION_BACKENDS, add_engine_args, engine_config_from_args
+from aserve.entrypoints import cli
 from bench import bench_cli, peers
 from bench.harness import Sizing
 from models.loader import load_model
@@ -52,7 +52,7 @@ def test_every_option_has_help_that_shows_its_default(name: str) -> None:
 
 
 def test_serve_help_lists_choices_from_the_registries() -> None:
-    result = subprocess.run([sys.executable, "-m", "aserve.cli", "serve", "--help"],
+    result = subprocess.run([sys.executable, "-m", "aserve.entrypoints.cli", "serve", "--help"],
                             capture_output=True, text=True, timeout=120, check=True)
     assert "{" + ",".join(sorted(POLICIES)) + "}" in result.stdout
     assert "{" + ",".join(ATTENTION_BACKENDS) + "}" in result.stdout
@@ -62,7 +62,7 @@ def test_serve_help_lists_choices_from_the_registries() -> None:
 def test_version_prints_the_package_version() -> None:
     from aserve import __version__
 
-    result = subprocess.run([sys.executable, "-m", "aserve.cli", "--version"],
+    result = subprocess.run([sys.executable, "-m", "aserve.entrypoints.cli", "--version"],
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == f"aserve {__version__}"
     assert __version__ != "0+unknown"  # the checkout is installed (make setup)

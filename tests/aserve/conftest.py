@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import EngineConfig, ServerConfig
+from aserve.engine.config import EngineConfig, ServerConfig
 from tests.conftest import make_config
 
 API_KEY = "test-key"
@@ -30,7 +30,7 @@ def server_engine_config(**kwargs: object) -> EngineConfig:
 async def server_client(max_body_bytes: int) -> AsyncIterator[TestClient]:
     """An in-process client of the app on the test engine, with API_KEY required and
     request bodies capped at ``max_body_bytes``."""
-    from aserve.server import create_app
+    from aserve.entrypoints.server import create_app
 
     app = create_app(server_engine_config(),
                      ServerConfig(api_key=API_KEY, max_body_bytes=max_body_bytes))
@@ -42,7 +42,7 @@ class LiveServer:
     """`create_app` served by `AppRunner` + `TCPSite(port=0)` on a thread with its own loop."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
-        from aserve.server import create_app
+        from aserve.entrypoints.server import create_app
 
         self.app = create_app(engine_config, server_config)
         self.loop = asyncio.new_event_loop()

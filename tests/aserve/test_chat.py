@@ -14,8 +14,8 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from aserve.chat import CHAT_TEMPLATES, ChatMessage, ChatTemplate
-from aserve.config import ServerConfig
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.chat import CHAT_TEMPLATES, ChatMessage, ChatTemplate
 from tests.aserve.conftest import API_KEY, MODEL, LiveServer
 from tests.conftest import make_config, write_bpe_tokenizer, write_hf_checkpoint
 

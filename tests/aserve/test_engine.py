@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aserve import Engine, SamplingParams
-from aserve.core import RequestOutput
+from aserve.engine.sequence import RequestOutput
 from scheduler import POLICIES as REGISTERED
 from tests.conftest import make_config, make_prompts
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aserve import SamplingParams, generate
-from aserve.cuda_graphs import DecodeGraphs, bucket_at_least, width_bucket
+from aserve.engine.cuda_graphs import DecodeGraphs, bucket_at_least, width_bucket
 from models.attention import AttentionMetadata, get_backend
 from models.backends import GRAPH_BACKENDS, TRITON_BACKENDS
 from models.loader import load_model
@@ -81,7 +81,7 @@ def check_graph_replays(device: str, backend_name: str, use_graphs: bool) -> Non
 @pytest.mark.parametrize(("n", "bucket"), [(1, 1), (3, 4), (8, 8), (9, 16), (200, 256),
                                            (513, None)])
 def test_batch_rounds_up_to_a_bucket(n: int, bucket: int | None) -> None:
-    from aserve.cuda_graphs import BATCH_BUCKETS
+    from aserve.engine.cuda_graphs import BATCH_BUCKETS
 
     assert bucket_at_least(n, BATCH_BUCKETS) == bucket
 

@@ -10,7 +10,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"  # elsewhere the allocator is left alo
 # Logits and MLP activations of batches growing 1..64 rows, three times over, as decode does.
 PATTERN = """
 import resource, sys, torch
-from aserve.host import tune_host_allocator
+from aserve.engine.host import tune_host_allocator
 tuned = tune_host_allocator() if sys.argv[1] == "tune" else False
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for rows in list(range(1, 65)) * 3:

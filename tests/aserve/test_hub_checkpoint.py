@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from aserve.config import ServerConfig
+from aserve.engine.config import ServerConfig
 from tests.aserve.conftest import API_KEY, LiveServer
 from tests.conftest import make_config
 from tests.hub_checkpoint import write_hub_checkpoint

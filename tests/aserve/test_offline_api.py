@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aserve import LLM, EngineConfig, SamplingParams
-from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from aserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from tests.hub_checkpoint import write_hub_checkpoint
 
 README = Path(__file__).resolve().parents[2] / "README.md"

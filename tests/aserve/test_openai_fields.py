@@ -13,9 +13,9 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from aserve import SamplingParams
-from aserve.config import ServerConfig
-from aserve.core import RequestOutput
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import ServerConfig
+from aserve.engine.sequence import RequestOutput
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.conftest import MODEL, server_engine_config
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")

@@ -3,9 +3,9 @@ record exactly once across trims."""
 
 from __future__ import annotations
 
-from aserve.core import IterationRecord
 from aserve.cores import Lifecycle
-from aserve.metrics import ServerMetrics
+from aserve.engine.sequence import IterationRecord
+from aserve.entrypoints.metrics import ServerMetrics
 
 
 def record(i: int) -> IterationRecord:

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from aserve import Engine, SamplingParams
-from aserve.core import RequestOutput
+from aserve.engine.sequence import RequestOutput
 from tests.aserve.test_engine import settle
 from tests.conftest import make_config, make_prompts
 

@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.server import create_app
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.server import create_app
 from tests.aserve.conftest import (
     API_KEY,
     AUTH,
@@ -201,7 +201,7 @@ def test_serve_opt_125m_answers_health_and_exits_0_on_sigterm() -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve.cli", "serve", "--model", "opt-125m", "--port",
+        [sys.executable, "-m", "aserve.entrypoints.cli", "serve", "--model", "opt-125m", "--port",
          str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         start, status = time.monotonic(), 0

@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client, server_engine_config
 from tests.reliability.conftest import Gate
 

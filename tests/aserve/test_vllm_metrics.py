@@ -8,8 +8,8 @@ import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.server import create_app
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.server import create_app
 from tests.aserve.conftest import MODEL, parse_metrics, server_engine_config
 
 NUM_REQUESTS = 8

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aserve.config import EngineConfig, ServerConfig
-from aserve.core import IterationRecord
+from aserve.engine.config import EngineConfig, ServerConfig
+from aserve.engine.sequence import IterationRecord
 from bench import bench_cli, peers
 from bench.harness import (
     LoopLagProbe,

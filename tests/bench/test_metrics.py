@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from aserve.core import Event, EventKind, IterationRecord
+from aserve.engine.sequence import Event, EventKind, IterationRecord
 from bench.metrics import (
     DEFAULT_TPOT_SLO,
     median_summary,
@@ -169,7 +169,7 @@ def test_percentile_empty_is_nan_and_bad_q_is_rejected() -> None:
 
 
 def test_hidden_transfer_share_counts_copy_time_under_forward_passes() -> None:
-    from aserve.core import IterationRecord, TransferRecord
+    from aserve.engine.sequence import IterationRecord, TransferRecord
     from bench.metrics import hidden_transfer_share
 
     def it(start: float, forward: float) -> IterationRecord:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from aserve.core import Event, IterationRecord
+from aserve.engine.sequence import Event, IterationRecord
 from bench import report
 from bench.metrics import Summary, request_metrics, summarize
 

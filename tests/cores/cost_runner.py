@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from aserve.config import ModelConfig
-from aserve.runner import StepResult, WorkItem
+from aserve.engine.config import ModelConfig
+from aserve.engine.runner import StepResult, WorkItem
 from models.opt import OPTConfig
-from sim.cost import CostModel
+from scheduler.cost_model import CostModel
 from sim.loop import Device
 
 

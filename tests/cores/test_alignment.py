@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from aserve.config import SchedulerConfig
-from aserve.core import IterationRecord
+from aserve.engine.config import SchedulerConfig
+from aserve.engine.sequence import IterationRecord
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig

@@ -13,16 +13,16 @@ import selectors
 
 import pytest
 
-from aserve.config import EngineConfig, SchedulerConfig
-from aserve.core import Request, SamplingParams
-from aserve.engine import Engine
+from aserve.engine.config import EngineConfig, SchedulerConfig
+from aserve.engine.engine import Engine
+from aserve.engine.sequence import Request, SamplingParams
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES as REGISTERED
-from scheduler import PolicyConfig, get_policy, throughput
+from scheduler import PolicyConfig, aligned, get_policy
+from scheduler.cost_model import KernelKind
+from scheduler.hardware import Hardware
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
-from sim.cost import KernelKind
 from sim.drivers import SimContext
-from sim.hardware import Hardware
 from sim.run import arrival_stamps
 from tests.cores.cost_runner import CostRunner
 
@@ -161,7 +161,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
                                                       share: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     if headroom is not None:
-        monkeypatch.setattr(throughput, "HEADROOM_STEPS", headroom)
+        monkeypatch.setattr(aligned, "HEADROOM_STEPS", headroom)
     cost = cost_model()
     config = engine_config(policy, STARVATION_THRESHOLD, share)
     probe = SimContext(ClusterConfig.from_engine(config, 1), cost,

@@ -3,8 +3,8 @@ freed only when the copy lands (or the destination when it fails)."""
 
 from __future__ import annotations
 
-from aserve.core import Request, SamplingParams, Sequence
 from aserve.cores import BlockLedger
+from aserve.engine.sequence import Request, SamplingParams, Sequence
 
 
 def ledger(**sizes: int) -> BlockLedger:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from aserve.config import EngineConfig, SchedulerConfig
+from aserve.engine.config import EngineConfig, SchedulerConfig
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES, PolicyConfig
 from sim import ClusterConfig

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from aserve.config import SchedulerConfig
+from aserve.engine.config import SchedulerConfig
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig

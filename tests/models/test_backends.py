@@ -8,12 +8,12 @@ import importlib.util
 
 import pytest
 
-from aserve.config import ATTENTION_BACKENDS, ModelConfig
-from aserve.cuda_graphs import GRAPH_BACKENDS as CAPTURED
+from aserve.engine.config import ATTENTION_BACKENDS, ModelConfig
+from aserve.engine.cuda_graphs import GRAPH_BACKENDS as CAPTURED
 from models.attention import get_backend
 from models.backends import BACKENDS, GRAPH_BACKENDS, TRITON_BACKENDS
-from sim.calibrate import ATTENTION_KERNELS
-from sim.cost import KERNELS
+from scheduler.calibrate import ATTENTION_KERNELS
+from scheduler.cost_model import KERNELS
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -17,11 +17,11 @@ from typing import TypeVar
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import EngineConfig, ServerConfig
-from aserve.engine import Engine
-from aserve.guard import GuardedRunner
-from aserve.runner import WorkItem
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import EngineConfig, ServerConfig
+from aserve.engine.engine import Engine
+from aserve.engine.runner import WorkItem
+from aserve.entrypoints.guard import GuardedRunner
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.conftest import LiveServer
 from tests.aserve.test_engine import settle
 from transport.blocks import BlockAllocator

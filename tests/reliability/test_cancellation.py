@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from aserve import Engine, SamplingParams
-from aserve.core import RequestOutput
+from aserve.engine.sequence import RequestOutput
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config
 from tests.reliability.conftest import BlockLedger, Gate, is_decode, is_prefill, wait_for_event
@@ -172,7 +172,7 @@ async def test_sigterm_during_load_ends_every_stream_and_exits_0() -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve.cli", "--log-level", "WARNING", "serve",
+        [sys.executable, "-m", "aserve.entrypoints.cli", "--log-level", "WARNING", "serve",
          "--model", "opt-tiny", "--port", str(port), "--num-decode-blocks", "256",
          "--num-prefill-blocks", "256", "--num-staging-blocks", "256", "--host-pool-gb", "0.05"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from aserve import Engine, SamplingParams
-from aserve.core import RequestOutput
+from aserve.engine.sequence import RequestOutput
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, make_prompts
 

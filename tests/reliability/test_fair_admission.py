@@ -23,9 +23,9 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.engine import Engine
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import ServerConfig
+from aserve.engine.engine import Engine
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.conftest import MODEL, server_engine_config
 from tests.aserve.test_engine import settle
 
@@ -112,8 +112,8 @@ async def test_sigterm_gives_an_unfinished_non_streamed_request_503() -> None:
     args = ["--model", MODEL, "--port", str(port), "--num-decode-blocks", "256",
             "--num-prefill-blocks", "256", "--num-staging-blocks", "256", "--host-pool-gb",
             "0.05"]
-    proc = subprocess.Popen([sys.executable, "-m", "aserve.cli", "--log-level", "WARNING",
-                             "serve", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "aserve.entrypoints.cli", "--log-level",
+                             "WARNING", "serve", *args],
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 120

@@ -13,10 +13,10 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from aserve import Engine, SamplingParams
-from aserve.config import ServerConfig
-from aserve.core import RequestOutput, Sequence
 from aserve.cores import Move
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import ServerConfig
+from aserve.engine.sequence import RequestOutput, Sequence
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, make_prompts
 from tests.reliability.conftest import BlockLedger, Gate, is_decode, wait_for_event

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from aserve.config import ServerConfig
+from aserve.engine.config import ServerConfig
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_engine_config
 from tests.reliability.conftest import SyncServer
 

@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.config import ServerConfig
-from aserve.server import ENGINE, create_app
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.conftest import MODEL, server_engine_config
 from tests.aserve.test_engine import settle
 from tests.conftest import make_prompts

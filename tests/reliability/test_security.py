@@ -18,9 +18,9 @@ import pytest_asyncio
 import torch
 from aiohttp.test_utils import TestClient
 
-import aserve.server
+import aserve.entrypoints.server
 from aserve import Engine, SamplingParams
-from aserve.config import ServerConfig, add_server_args, server_config_from_args
+from aserve.engine.config import ServerConfig, add_server_args, server_config_from_args
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, write_hf_checkpoint
@@ -55,7 +55,7 @@ async def test_every_route_but_the_liveness_probes_needs_the_key(client: TestCli
     for method, path in routes:
         bare = await client.request(method, path)
         keyed = await client.request(method, path, headers=AUTH)
-        if path in aserve.server.PUBLIC_PATHS:  # /health and /ping
+        if path in aserve.entrypoints.server.PUBLIC_PATHS:  # /health and /ping
             assert bare.status == 200, (method, path)
         else:
             assert bare.status == 401, (method, path)
@@ -66,13 +66,13 @@ async def test_every_route_but_the_liveness_probes_needs_the_key(client: TestCli
 async def test_api_key_is_compared_in_constant_time(client: TestClient,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[tuple[bytes, bytes]] = []
-    real = aserve.server.hmac.compare_digest
+    real = aserve.entrypoints.server.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(aserve.server.hmac, "compare_digest", spy)
+    monkeypatch.setattr(aserve.entrypoints.server.hmac, "compare_digest", spy)
     for token in (API_KEY, API_KEY[:-1] + "x", "short", API_KEY * 3):
         await client.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
     assert [a for a, _ in compared] == [t.encode() for t in

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from aserve.config import ServerConfig
+from aserve.engine.config import ServerConfig
 from tests.aserve.conftest import server_engine_config
 from tests.reliability.conftest import GuardedLiveServer, raw_exchange
 

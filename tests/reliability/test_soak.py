@@ -21,10 +21,10 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from aserve.config import ServerConfig
 from aserve.cores import LOCATIONS
-from aserve.engine import Engine
-from aserve.server import ENGINE, METRICS, create_app
+from aserve.engine.config import ServerConfig
+from aserve.engine.engine import Engine
+from aserve.entrypoints.server import ENGINE, METRICS, create_app
 from tests.aserve.conftest import MODEL, server_engine_config
 from tests.aserve.test_engine import settle
 from tests.reliability.conftest import rss_bytes

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 
 from scheduler import BoundaryPlan, BoundaryView, PolicyConfig, SeqView, get_policy
-from scheduler.cost import RecomputedStep, StepTime, growing_step
-from scheduler.throughput import AlignedPolicy
+from scheduler.aligned import AlignedPolicy
+from scheduler.cost_model import KERNELS, GrowingDecodeStep
+from scheduler.step_time import RecomputedStep, StepTime, growing_step
 from sim import CostModel, get_geometry, get_hardware
-from sim.cost import KERNELS, GrowingDecodeStep
 
 BLOCK_SIZE = 16
 NUM_BOUNDARIES = 300

@@ -1,4 +1,4 @@
-"""The cost-aware `aligned`'s latency guard (scheduler/throughput.py): admissions keep room
+"""The cost-aware `aligned`'s latency guard (scheduler/aligned.py): admissions keep room
 for the running seqs to grow, and an evicted seq does not wait behind a stream of better
 fitting short ones beyond a bound counted in predicted steps. Pure policy, virtual time."""
 
@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-import scheduler.throughput as throughput
-from scheduler import BoundaryView, PolicyConfig, SeqView, get_policy
+from scheduler import BoundaryView, PolicyConfig, SeqView, aligned, get_policy
 from scheduler.batching import blocks_to_admit, growth
 
 BLOCK_SIZE = 16
@@ -57,14 +56,14 @@ def _run_stream(num_steps: int) -> int | None:
 def test_an_evicted_long_seq_waits_at_most_the_stall_bound_behind_short_ones() -> None:
     # Joining the shorts would raise their padded waste, so only the stall bound admits it:
     # after STALL_STEPS steps (each a short batch's step), at the next boundary.
-    step = _run_stream(num_steps=10 * throughput.STALL_STEPS)
+    step = _run_stream(num_steps=10 * aligned.STALL_STEPS)
     assert step is not None
-    assert throughput.STALL_STEPS <= step <= throughput.STALL_STEPS + 1
+    assert aligned.STALL_STEPS <= step <= aligned.STALL_STEPS + 1
 
 
 def test_without_the_stall_bound_the_stream_of_short_ones_keeps_it_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(throughput, "STALL_STEPS", 10**9)
+    monkeypatch.setattr(aligned, "STALL_STEPS", 10**9)
     assert _run_stream(num_steps=10 * 32) is None
 
 
@@ -80,7 +79,7 @@ def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> N
 
 
 def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)  # the default, pinned for this test
+    monkeypatch.setattr(aligned, "HEADROOM_STEPS", 64)  # the default, pinned for this test
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
     batch = tuple(SeqView(f"b{i}", SHORT, 7, 0.0, 2) for i in range(100))  # 700 blocks
     free = 600  # with the 112 held, 1/8 of the instance (89) is above the headroom
@@ -103,19 +102,19 @@ def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.Monk
 
 def test_headroom_is_at_most_a_share_of_a_small_instance(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 64)
+    monkeypatch.setattr(aligned, "HEADROOM_STEPS", 64)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(12))  # 84 held
     # 64 steps of growth would be 48 blocks, over half of this 114-block instance
     view = BoundaryView(running, 30, BLOCK_SIZE, 12, (), (), 1, now=0.0)
-    assert throughput.with_headroom(view).free_blocks == 30 - int(0.125 * 114)
-    assert throughput.with_headroom(BoundaryView((), 30, BLOCK_SIZE, 12, (), (), 1, 0.0)
+    assert aligned.with_headroom(view).free_blocks == 30 - int(0.125 * 114)
+    assert aligned.with_headroom(BoundaryView((), 30, BLOCK_SIZE, 12, (), (), 1, 0.0)
                                      ).free_blocks == 30  # nothing running: nothing to grow
-    monkeypatch.setattr(throughput, "HEADROOM_STEPS", 0)
-    assert throughput.with_headroom(view) is view  # the default: no headroom
+    monkeypatch.setattr(aligned, "HEADROOM_STEPS", 0)
+    assert aligned.with_headroom(view) is view  # the default: no headroom
 
 
 @pytest.mark.parametrize("waited_steps,admitted", [(0, False), (15, False), (17, True),
-                                                   (throughput.HEADROOM_STEPS + 1, True)])
+                                                   (aligned.HEADROOM_STEPS + 1, True)])
 def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
                                                            admitted: bool) -> None:
     # 16 shorts hold 112 blocks and need none for two steps; the staged seq needs 63 of the

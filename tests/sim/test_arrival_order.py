@@ -11,9 +11,9 @@ import pytest
 
 from bench.workloads import Workload, WorkloadRequest, load_workload
 from scheduler import POLICIES
+from scheduler.calibrate import load_records
+from scheduler.hardware import Hardware
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
-from sim.calibrate import load_records
-from sim.hardware import Hardware
 from sim.run import arrival_stamps
 from sim.validate import cluster_from_header
 

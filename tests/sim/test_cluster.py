@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from aserve.config import EngineConfig, SchedulerConfig
+from aserve.engine.config import EngineConfig, SchedulerConfig
 from scheduler import PolicyConfig
 from sim import ClusterConfig
 

@@ -8,8 +8,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.cost import KERNELS, CostModel, get_geometry
-from sim.hardware import get_hardware
+from scheduler.cost_model import KERNELS, CostModel, get_geometry
+from scheduler.hardware import get_hardware
 
 
 @settings(max_examples=150, deadline=None)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from bench.workloads import Workload, WorkloadRequest
 from scheduler import POLICIES
+from scheduler.cost_model import KERNELS
+from scheduler.hardware import Hardware
 from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
-from sim.cost import KERNELS
-from sim.hardware import Hardware
 
 CONTEXT = 512  # tokens: the context limit of the random workloads
 BLOCK_SIZE = 16

@@ -6,8 +6,8 @@ from functools import partial
 
 import pytest
 
-from aserve.core import Request, SamplingParams, Sequence
 from aserve.cores import Move
+from aserve.engine.sequence import Request, SamplingParams, Sequence
 from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig, CostModel, get_geometry, get_hardware
 from sim.drivers import SimContext

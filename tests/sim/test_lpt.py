@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
+from scheduler.cost_model import wave_tokens
 from sim import CostModel, get_geometry, get_hardware
-from sim.cost import wave_tokens
 
 
 def _model(kernel: str, model: str = "opt-13b") -> CostModel:

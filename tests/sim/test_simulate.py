@@ -13,6 +13,7 @@ from aserve.cores import BatcherCore, Window
 from bench.metrics import request_metrics
 from bench.workloads import Workload, WorkloadRequest, synthetic
 from scheduler import POLICIES, PolicyConfig, get_policy
+from scheduler.hardware import Hardware
 from sim import (
     ClusterConfig,
     CostModel,
@@ -23,7 +24,6 @@ from sim import (
     simulate,
 )
 from sim.drivers import SimContext
-from sim.hardware import Hardware
 from tests.cores.test_differential import cost_model as differential_cost
 
 SYSTEMS = tuple(sorted(POLICIES))  # every registered policy

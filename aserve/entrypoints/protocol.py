@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Protocol, TypeVar
 import msgspec
 from msgspec import Meta
 
-from aserve.core import RequestOutput, SamplingParams
+from aserve.engine.sequence import RequestOutput, SamplingParams
 
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
 PromptItem = str | int | list[int]  # an element of a prompt list: a token id or a batch entry

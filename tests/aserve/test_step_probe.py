@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from aserve import Engine
-from aserve.step_cost import PROBE_BATCH, EngineStepCost
-from scheduler.cost import RecomputedStep, growing_step
+from aserve.engine.step_probe import PROBE_BATCH, EngineStepCost
+from scheduler.step_time import RecomputedStep, growing_step
 from tests.conftest import make_config
 
 
@@ -55,10 +55,10 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
     takes the rest from the records (§21)."""
     import dataclasses
 
-    from aserve.core import IterationRecord
+    from aserve.engine.sequence import IterationRecord
     from models.opt import OPTConfig
-    from sim.calibrate import fit
-    from sim.cost import CostModel, CostParams
+    from scheduler.calibrate import fit
+    from scheduler.cost_model import CostModel, CostParams
 
     probe_truth = CostParams(step_overhead=0.0, per_seq_overhead=7e-4, bw_efficiency=0.56,
                              flops_efficiency=0.44, imbalance_scale=2.8)

@@ -19,8 +19,13 @@ from typing import Any
 
 import torch
 
-from aserve.config import EngineConfig
-from aserve.core import (
+from aserve.cores import Lifecycle
+from aserve.engine.actors import Actor, EngineContext, KVSpace
+from aserve.engine.config import EngineConfig
+from aserve.engine.errors import EngineError, EngineOverloaded
+from aserve.engine.host import tune_host_allocator
+from aserve.engine.runner import ModelRunner
+from aserve.engine.sequence import (
     IterationRecord,
     Request,
     RequestOutput,
@@ -29,12 +34,7 @@ from aserve.core import (
     Sequence,
     StepOutput,
 )
-from aserve.cores import Lifecycle
-from aserve.driver import Actor, EngineContext, KVSpace
-from aserve.errors import EngineError, EngineOverloaded
-from aserve.host import tune_host_allocator
-from aserve.runner import ModelRunner
-from aserve.step_cost import EngineStepCost, probe
+from aserve.engine.step_probe import EngineStepCost, probe
 from models.loader import resolve_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from scheduler import PolicyConfig, get_policy, tree_range

@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from sim.hardware import Hardware
+from scheduler.hardware import Hardware
 
 KernelKind = Literal["split-k", "per-seq", "per-seq-lpt", "padded"]
 KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "per-seq-lpt", "padded")

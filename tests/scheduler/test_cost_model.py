@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.cost import KERNELS, CostModel, CostParams, get_geometry
-from sim.hardware import get_hardware
+from scheduler.cost_model import KERNELS, CostModel, CostParams, get_geometry
+from scheduler.hardware import get_hardware
 
 LENGTHS = st.lists(st.integers(1, 9000), min_size=1, max_size=300)
 

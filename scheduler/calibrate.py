@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from models.backends import BACKENDS
-from sim.cost import (
+from scheduler.cost_model import (
     KERNELS,
     CostModel,
     CostParams,
@@ -26,7 +26,7 @@ from sim.cost import (
     ModelGeometry,
     get_geometry,
 )
-from sim.hardware import get_hardware
+from scheduler.hardware import get_hardware
 
 Record = Mapping[str, object]  # IterationRecord fields (or a JSON line of them)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -20,7 +20,7 @@ import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from msgspec import Meta
 
-from aserve.protocol import (
+from aserve.entrypoints.protocol import (
     MAX_N,
     Choice,
     CompletionRequest,

@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from aserve.config import ServerConfig
-from aserve.protocol import RequestError, clip, error_json
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.protocol import RequestError, clip, error_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LINGER_S = 1.0  # seconds a closing connection still drains a body it did not read

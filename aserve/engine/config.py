@@ -403,7 +403,7 @@ def add_server_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
                         default=str(d("health_details", "")).lower() in ("1", "true", "yes"),
                         help="/health names the actors and their last errors to any caller "
                              "(off: only to callers with the API key)")
-    from aserve.chat import CHAT_TEMPLATES  # the registry of built-in template names
+    from aserve.entrypoints.chat import CHAT_TEMPLATES  # the registry of built-in template names
 
     parser.add_argument(
         "--chat-template", default=d("chat_template", None),

@@ -26,10 +26,10 @@ from typing import Protocol
 
 import torch
 
-from aserve.config import EngineConfig
-from aserve.core import Sequence
 from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
-from aserve.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
+from aserve.engine.config import EngineConfig
+from aserve.engine.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
+from aserve.engine.sequence import Sequence
 from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
 from transport.copy import Copier
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    """What the actors need of a model runner (aserve.runner.ModelRunner, or a test's)."""
+    """What the actors need of a model runner (aserve.engine.runner.ModelRunner, or a test's)."""
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult: ...
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from aserve import __version__
-from aserve.config import (
+from aserve.engine.config import (
     HELP_FORMATTER,
     ServerConfig,
     add_engine_args,
@@ -22,7 +22,7 @@ from aserve.config import (
     environ,
     server_config_from_args,
 )
-from aserve.core import SamplingParams
+from aserve.engine.sequence import SamplingParams
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = engine_config_from_args(args, environ())
         if args.command == "serve":
-            from aserve.server import serve
+            from aserve.entrypoints.server import serve
 
             server_config: ServerConfig = server_config_from_args(args, environ())
             return serve(config, server_config)
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _generate(config: object, prompt: str, params: SamplingParams) -> int:
-    from aserve.engine import Engine
+    from aserve.engine.engine import Engine
 
     async with Engine(config) as engine:  # type: ignore[arg-type]
         printed = 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.calibrate import (
+from scheduler.calibrate import (
     Calibration,
     calibrate,
     fit,
@@ -17,8 +17,8 @@ from sim.calibrate import (
     record_lengths,
     save_calibration,
 )
-from sim.cost import CostModel, CostParams, KernelKind, get_geometry
-from sim.hardware import get_hardware
+from scheduler.cost_model import CostModel, CostParams, KernelKind, get_geometry
+from scheduler.hardware import get_hardware
 
 TRUE = CostParams(step_overhead=3e-3, per_seq_overhead=2e-4, bw_efficiency=0.4,
                   flops_efficiency=0.3, imbalance_scale=0.7, prefill_flops_efficiency=0.5,

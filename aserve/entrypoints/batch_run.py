@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from aserve.config import ServerConfig
-from aserve.core import Request, RequestOutput, SamplingParams
-from aserve.engine import Engine
-from aserve.metrics import ServerMetrics
-from aserve.protocol import (
+from aserve.engine.config import ServerConfig
+from aserve.engine.engine import Engine
+from aserve.engine.sequence import Request, RequestOutput, SamplingParams
+from aserve.entrypoints.metrics import ServerMetrics
+from aserve.entrypoints.protocol import (
     ChoiceBuilder,
     CompletionRequest,
     RequestError,

@@ -17,8 +17,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from aserve.config import ModelConfig
-from aserve.cuda_graphs import DecodeGraphs
+from aserve.engine.config import ModelConfig
+from aserve.engine.cuda_graphs import DecodeGraphs
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM, fit_matmuls_to

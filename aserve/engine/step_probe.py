@@ -24,13 +24,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from aserve.core import IterationRecord
-from aserve.runner import ModelRunner, WorkItem
+from aserve.engine.runner import ModelRunner, WorkItem
+from aserve.engine.sequence import IterationRecord
 from models.opt import OPTConfig
 from scheduler import ceil_div
-from sim.calibrate import ATTENTION_KERNELS, fit, record_lengths
-from sim.cost import CostModel, GrowingDecodeStep, ModelGeometry
-from sim.hardware import HARDWARE, get_hardware
+from scheduler.calibrate import ATTENTION_KERNELS, fit, record_lengths
+from scheduler.cost_model import CostModel, GrowingDecodeStep, ModelGeometry
+from scheduler.hardware import HARDWARE, get_hardware
 
 FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
 REFIT_GROWTH = 4  # then refitted each time the records have grown this many times

@@ -17,9 +17,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from aserve import guard
-from aserve.batch_run import BatchRun, admit, best_samples, choice_builders
-from aserve.chat import (
+from aserve.engine.config import EngineConfig, ServerConfig
+from aserve.engine.engine import Engine, model_config_is_preset
+from aserve.engine.errors import EngineError, EngineOverloaded
+from aserve.entrypoints import guard
+from aserve.entrypoints.batch_run import BatchRun, admit, best_samples, choice_builders
+from aserve.entrypoints.chat import (
     NO_TEMPLATE,
     ChatCompletionRequest,
     ChatFormat,
@@ -29,11 +32,8 @@ from aserve.chat import (
     decode_chat_request,
     load_chat_template,
 )
-from aserve.config import EngineConfig, ServerConfig
-from aserve.engine import Engine, model_config_is_preset
-from aserve.errors import EngineError, EngineOverloaded
-from aserve.metrics import ServerMetrics
-from aserve.protocol import (
+from aserve.entrypoints.metrics import ServerMetrics
+from aserve.entrypoints.protocol import (
     CompletionFormat,
     CompletionRequest,
     DetokenizeRequest,

@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from aserve.config import EngineConfig
-from aserve.core import RequestOutput, SamplingParams
-from aserve.engine import Engine
+from aserve.engine.config import EngineConfig
+from aserve.engine.engine import Engine
+from aserve.engine.sequence import RequestOutput, SamplingParams
 
 T = TypeVar("T")
 Prompts = str | Sequence[str | list[int]]  # one text, or texts and token-id lists

@@ -1,7 +1,7 @@
 """Hardware descriptions for the simulator: one accelerator's memory, rates and links.
 
 Nominal datasheet figures (dense FP16/BF16 tensor rate, HBM bandwidth); the achieved share
-of them is a cost-model constant (`CostParams`), fitted by `sim.calibrate`.
+of them is a cost-model constant (`CostParams`), fitted by `scheduler.calibrate`.
 """
 
 from __future__ import annotations
