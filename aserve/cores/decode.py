@@ -1,0 +1,230 @@
+"""The state machine of a decode instance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aserve.cores.base import Core, Forward, Move, Window, seq_views
+from aserve.cores.batcher import BatcherCore
+from aserve.engine.sequence import SeqStatus, Sequence
+from scheduler import BoundaryPlan, BoundaryView
+
+# -- decode ---------------------------------------------------------------------------
+# DecodeCore: one decode instance. At every iteration boundary it applies the policy's
+# batch-level scheduling (release, evict, return to the pool, refill from candidate
+# requests, switch batches) as KV moves; then it names the seqs of the next iteration.
+#
+# `step` runs: `boundary` -> its moves -> the admissions' moves, once the evictions have
+# freed their room -> `forward` -> `finish`; an eviction for room instead, then a new
+# boundary.
+
+
+class DecodeCore(Core):
+    """The running batch and its two candidate buffers."""
+
+    def __init__(self, ctx: Any, index: int) -> None:
+        super().__init__(ctx, f"decode{index}", index)
+        self.staging = f"staging{index}"
+        self.running: list[Sequence] = []
+        self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
+        self.cand_batch: list[Sequence] = []
+        self.cand_batch_id = self.current_batch_id = -1
+        self.wants_batch = True  # a batch was asked for (the first: `Wiring.connect`)
+        self.window: tuple[int, int] | None = None
+        self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
+        self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
+        self._forward_next = False  # the boundary is planned: the iteration comes next
+
+    def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
+        """Staged seqs from the batcher: the next candidate batch, or candidate requests
+        when `batch_id` < 0."""
+        if batch_id < 0:
+            self.cand_requests.extend(seqs)
+            return
+        assert not self.cand_batch, f"{self.name} got a batch while holding one"
+        self.cand_batch, self.cand_batch_id = seqs, batch_id
+        self.wants_batch = False
+
+    def reap(self, now: float) -> None:
+        """Ends the candidate seqs an abort asked to end (the running ones end at the next
+        boundary: a forward may be using their KV)."""
+        self.cand_requests = self.life.reap(self.cand_requests, now)
+        self.cand_batch = self.life.reap(self.cand_batch, now)
+        self.ask_for_batch()
+
+    def ask_for_batch(self) -> None:
+        if not self.cand_batch and not self.wants_batch:
+            self.wants_batch = True
+            self.wiring.to_batcher()
+
+    def step(self, now: float) -> Forward | list[Move] | None:
+        """The boundary's moves; once they landed, the admissions' moves; once those landed,
+        the freed room is announced and the iteration follows. None while idle or waiting
+        for a batch."""
+        if (plan := self._admissions) is not None:
+            self._admissions = None
+            if plan.admit_batch:
+                self.current_batch_id = self.cand_batch_id
+            moves = self._admit(plan.admit_requests, self.cand_requests, now)
+            moves += self._admit(plan.admit_batch, self.cand_batch, now)
+            self.ask_for_batch()
+            if moves:
+                return moves
+        if "host" in self._freed:
+            self.wiring.pool_space()
+        if self.staging in self._freed:
+            self.wiring.to_batcher(BatcherCore.pool_changed)
+        self._freed.clear()
+        if self._forward_next:
+            self._forward_next = False
+            return self.forward(now) or None  # an eviction's moves: then a new boundary
+        if not (self.running or self.cand_requests or self.cand_batch):
+            return None  # idle
+        moves = self.boundary(now)
+        self._forward_next = True
+        return moves or self.step(now)
+
+    # -- the boundary ------------------------------------------------------------------
+    def boundary(self, now: float) -> list[Move]:
+        """Releases ended seqs and applies the policy's plan; returns the KV moves out of the
+        running batch (evictions, returns to the pool), in order. The admissions follow
+        from `step`, once these moves have freed their decode blocks."""
+        self.running = self.life.reap(self.running, now)
+        self.reap(now)
+        plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
+        by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
+        moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
+        moves += [m for i in plan.to_pool if (m := self._to_pool(by_id[i], now))]
+        self._admissions = plan
+        return moves
+
+    def _needs_plan(self) -> bool:
+        """Whether the policy has anything to decide at this boundary.
+
+        NOTE: with both candidate buffers empty and the next step's growth fitting the free
+        blocks, every built-in policy plans nothing (scheduler.batching.plan_boundary_with);
+        skipping the call keeps long decode runs cheap and changes no decision.
+        """
+        if self.cand_requests or self.cand_batch:
+            return True
+        growth = sum(self.kv.blocks_for(s.num_tokens) - self.kv.blocks_for(s.num_computed_tokens)
+                     for s in self.running)  # blocks the next step adds
+        return growth > self.kv.free_blocks(self.name)
+
+    def view(self, now: float) -> BoundaryView:
+        return BoundaryView(
+            running=seq_views(self.running, self.kv), free_blocks=self.kv.free_blocks(self.name),
+            block_size=self.kv.block_size, max_batch_size=self.sched.max_batch_size,
+            candidate_requests=seq_views(self.cand_requests, self.kv),
+            candidate_batch=seq_views(self.cand_batch, self.kv),
+            current_batch_id=self.current_batch_id, now=now)
+
+    def _evict(self, seq: Sequence, now: float) -> list[Move]:
+        """Running -> candidate requests buffer, else host pool, else recompute later."""
+        self.running.remove(seq)
+        self.life.event(seq.seq_id, "evicted", now)
+        move = self.life.reserve(seq, self.staging, at=now)
+        if move is None and not seq.is_finished:
+            move = self.life.reserve(seq, "host", at=now)
+        if move is None and not seq.is_finished:
+            self.kv.release(seq)  # nowhere to keep the KV: recompute it (vLLM's preemption)
+            seq.num_computed_tokens = 0
+            self.wiring.submit(seq, front=True)  # prefill it again, first in line
+        return [move] if move else []
+
+    def _to_pool(self, seq: Sequence, now: float) -> Move | None:
+        """A running seq or a candidate request -> host pool, to be batched again. If the
+        pool has no room it stays where it is."""
+        never_staged = seq.location == "host"  # a candidate request: no copy
+        move = None if never_staged else self.life.reserve(seq, "host", at=now)
+        if move is None and not never_staged and not seq.is_finished:
+            return None
+        seq.num_returns += 1
+        if seq in self.running:
+            self.running.remove(seq)
+            self.life.event(seq.seq_id, "evicted", now)
+        else:
+            self.cand_requests.remove(seq)
+        if never_staged:
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
+        return move
+
+    def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
+               now: float) -> list[Move]:
+        """Candidate buffer -> decode cache (from staging over the device link, or from
+        the host pool for seqs that were never staged)."""
+        by_id = {seq.seq_id: seq for seq in buffer}
+        moves = []
+        for seq_id in seq_ids:
+            seq = by_id[seq_id]
+            move = self.life.reserve(seq, self.name, at=now)
+            if move is None and not seq.is_finished:
+                continue  # no room after all; it stays in its buffer
+            buffer.remove(seq)
+            if move is None:
+                continue
+            if seq.batch_id < 0:
+                seq.batch_id = self.current_batch_id
+            self.running.append(seq)
+            moves.append(move)
+        return moves
+
+    def landed(self, move: Move, now: float) -> None:
+        seq = move.seq
+        self._freed.add(move.src)
+        if move.dst == self.name:
+            if seq.status < SeqStatus.DECODING:
+                self.life.event(seq.seq_id, "decode_start", now)
+            seq.status = SeqStatus.DECODING
+        elif move.dst == self.staging:
+            seq.status = SeqStatus.STAGED
+            self.cand_requests.append(seq)
+        else:
+            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
+
+    def failed(self, move: Move, error: str, now: float) -> None:
+        """A boundary copy failed: that seq alone ends with an error."""
+        if move.seq in self.running:
+            self.running.remove(move.seq)
+        super().failed(move, error, now)
+
+    # -- the iteration -------------------------------------------------------------------
+    def forward(self, now: float) -> Forward | list[Move]:
+        """The next iteration: every running seq whose KV can grow. If none can, evicts the
+        longest running seq (moves to carry out, then a new boundary) or, with none
+        running, returns [] (wait for the batcher)."""
+        runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
+        if not runnable:
+            longest = max(self.running, key=lambda s: s.num_tokens, default=None)
+            return self._evict(longest, now) if longest else []
+        self._report_window(runnable)
+        return Forward(self.name, runnable,
+                       [s.num_tokens - s.num_computed_tokens for s in runnable], now)
+
+    def _report_window(self, runnable: list[Sequence]) -> None:
+        """Tells the batcher the length window of pool requests that could join the running
+        batch (the policy's ``prefetch_basis`` and ``prefetch_window``) when it changes."""
+        if not self.policy.uses_dynamic_prefetch:
+            return
+        current = [s.num_tokens for s in runnable if s.batch_id == self.current_batch_id]
+        lengths = self.policy.prefetch_basis(current, [s.num_tokens for s in runnable])
+        if not lengths:
+            return
+        window = self.policy.prefetch_window(lengths)
+        if window != self.window:
+            self.window = window
+            # NOTE: room net of what the candidate requests buffer already holds: matching
+            # requests beyond what the batch can take would drain the pool into staging,
+            # and the next batch would then be chosen from what little is left there.
+            held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
+            slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
+            room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
+            self.wiring.to_batcher(lambda batcher: batcher.report_window(self.index, room))
+
+    def fail(self, error: str, now: float) -> None:
+        """The forward pass failed: the running batch ends with an error; the candidate
+        buffers survive."""
+        super().fail(error, now)
+        self._forward_next, self._admissions = False, None
+
+
