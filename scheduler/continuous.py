@@ -106,10 +106,6 @@ class ContinuousPolicy(Policy):
     uses_pool = False
     uses_staging = False
 
-    def make_scheduler(self, max_num_tokens: int, max_batch_size: int,
-                       block_size: int) -> ContinuousScheduler:
-        return ContinuousScheduler(max_num_tokens, max_batch_size, block_size)
-
     def add(self, seq: SeqView) -> None:
         raise ValueError(f"policy {self.name!r} has no host pool (uses_pool is False); "
                          f"cannot add seq {seq.seq_id!r}")

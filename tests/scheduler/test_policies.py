@@ -232,4 +232,3 @@ def test_continuous_policy_has_no_pool() -> None:
     with pytest.raises(ValueError, match="no host pool"):
         policy.add(SeqView("a", 1, 1, 0.0))
     assert policy.next_batch(100, 10, now=0.0) == [] and len(policy) == 0
-    assert policy.make_scheduler(64, 8, 16).max_num_tokens == 64
