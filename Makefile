@@ -1,41 +1,50 @@
-# AlignedServe: `make run` sets up and runs the main job, `make test` sets up and runs the tests.
+# AlignedServe: `make run` sets up and runs the server, `make test` sets up and runs the tests.
+# Each command installs only what it needs: serving deps for run, test extras for test,
+# bench extras for bench, lint tools for lint.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
 .PHONY: setup run serve test test-all bench soak lint clean peers
 
 # NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
 # asked for only when none imports, which on these machines takes the CPU wheel from disk.
-$(STAMP): pyproject.toml
+$(VENV)/.base:
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(STAMP)
+	touch $@
 
-setup: $(STAMP)
+# One stamp per set of extras; `pip install -e` adds to what is there.
+EXTRAS_serve :=
+EXTRAS_test := [test]
+EXTRAS_bench := [test,bench]
+EXTRAS_dev := [dev]
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.base
+	$(BIN)/pip install -q -e '.$(EXTRAS_$*)'
+	touch $@
+
+setup: $(VENV)/.installed-test
 
 run: serve
 
-# NOTE: the GNU OpenMP runtime torch ships spins its idle threads; on a shared CPU that
-# made decode steps 4x slower (benchmarks/RESULTS.md, issue 17). Idle threads sleep instead,
-# and vLLM's libiomp5 is preloaded when `make peers` has installed it (vLLM's own runtime).
+# NOTE: the GNU OpenMP runtime torch ships spins its idle threads, which slows decode steps
+# badly on a shared CPU; idle threads sleep instead, and vLLM's libiomp5 is preloaded when
+# `make peers` has installed it (vLLM's own runtime).
 IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
-serve: $(STAMP)
+serve: $(VENV)/.installed-serve
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
 		$(BIN)/aserve serve --model opt-125m
 
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -x --durations=10 -m "not bench and not soak and not gpu" tests
 
-test-all: $(STAMP)
+test-all: $(VENV)/.installed-bench
 	$(BIN)/python -m pytest -q tests
 
-bench: $(STAMP)
+bench: $(VENV)/.installed-bench
 	$(BIN)/python -m pytest -q -s -m bench benchmarks
 
-soak: $(STAMP)
+soak: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -s -m soak tests
 
 # vLLM's CPU build for `aserve bench --systems ...,vllm`, in its own virtualenv (never in the
@@ -49,10 +58,9 @@ $(PEERS_VENV)/.installed:
 
 peers: $(PEERS_VENV)/.installed
 
-lint: $(STAMP)
-	$(BIN)/pip install -q -e '.[dev]'
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check aserve models scheduler transport sim bench benchmarks tests
-	$(BIN)/mypy aserve models scheduler transport
+	$(BIN)/mypy aserve models scheduler transport sim bench
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis *.egg-info
