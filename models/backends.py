@@ -41,6 +41,7 @@ BACKEND_NAMES = tuple(BACKENDS)
 GRAPH_BACKENDS = tuple(name for name, spec in BACKENDS.items() if spec.graphs)
 TRITON_BACKENDS = tuple(name for name, spec in BACKENDS.items() if spec.triton)
 TORCH_BACKENDS = tuple(name for name, spec in BACKENDS.items() if not spec.triton)
+ATTENTION_KERNELS = {name: spec.kernel for name, spec in BACKENDS.items()}  # -> kernel kind
 
 
 def backend_spec(name: str) -> BackendSpec:

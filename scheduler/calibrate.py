@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from models.backends import BACKENDS
 from scheduler.cost_model import (
     KERNELS,
     CostModel,
@@ -30,9 +29,6 @@ from scheduler.hardware import get_hardware
 
 Record = Mapping[str, object]  # IterationRecord fields (or a JSON line of them)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-ATTENTION_KERNELS: dict[str, KernelKind] = {  # engine attention backend -> kernel kind
-    name: spec.kernel for name, spec in BACKENDS.items()  # type: ignore[misc]
-}
 GRID_DECADES = 3.0  # the balance grid spans this many decades either side of nominal
 GRID_POINTS = 121
 REFINE_STEPS = 40

@@ -19,6 +19,14 @@ from scheduler.hardware import Hardware
 
 KernelKind = Literal["split-k", "per-seq", "per-seq-lpt", "padded"]
 KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "per-seq-lpt", "padded")
+
+
+def kernel_kind(name: str) -> KernelKind:
+    """`name` as a kernel kind (an attention backend's `kernel`); ValueError if unknown."""
+    for kind in KERNELS:
+        if kind == name:
+            return kind
+    raise ValueError(f"kernel ({name!r}) must be one of {KERNELS}")
 NUM_POSITIONS = 2050  # OPT's learned position table (2048 + its offset of 2)
 
 

@@ -28,8 +28,8 @@ from bench.report import (
     write_json,
 )
 from bench.workloads import Workload, load_workload
+from models.backends import ATTENTION_KERNELS
 from scheduler.calibrate import (
-    ATTENTION_KERNELS,
     DTYPE_BYTES,
     fit,
     load_calibration,

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from bench.workloads import Workload
-from scheduler.calibrate import ATTENTION_KERNELS, DTYPE_BYTES, Calibration, Record, fit
-from scheduler.cost_model import CostModel, KernelKind, get_geometry
+from models.backends import ATTENTION_KERNELS
+from scheduler.calibrate import DTYPE_BYTES, Calibration, Record, fit
+from scheduler.cost_model import CostModel, get_geometry, kernel_kind
 from scheduler.hardware import get_hardware
 from sim.cluster import ClusterConfig
 from sim.run import simulate
@@ -86,7 +87,7 @@ def cluster_for_bench(header: Mapping[str, object], workload: Workload,
 def calibration_from_header(header: Mapping[str, object],
                             records: Sequence[Record]) -> Calibration:
     """Fits the cost model named by the header (model, dtype, attention, hardware)."""
-    kernel: KernelKind = ATTENTION_KERNELS.get(str(header.get("attention", "paged")), "split-k")
+    kernel = kernel_kind(ATTENTION_KERNELS.get(str(header.get("attention", "paged")), "split-k"))
     return fit(records, model=str(header.get("model", "opt-125m")),
                hardware=str(header.get("hardware", "cpu")), kernel=kernel,
                dtype_bytes=DTYPE_BYTES.get(str(header.get("dtype", "float32"))))

@@ -26,10 +26,11 @@ import torch
 
 from aserve.engine.runner import ModelRunner, WorkItem
 from aserve.engine.sequence import IterationRecord
+from models.backends import ATTENTION_KERNELS
 from models.opt import OPTConfig
 from scheduler import ceil_div
-from scheduler.calibrate import ATTENTION_KERNELS, fit, record_lengths
-from scheduler.cost_model import CostModel, GrowingDecodeStep, ModelGeometry
+from scheduler.calibrate import fit, record_lengths
+from scheduler.cost_model import CostModel, GrowingDecodeStep, ModelGeometry, kernel_kind
 from scheduler.hardware import HARDWARE, get_hardware
 
 FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
@@ -62,7 +63,7 @@ class EngineStepCost:
         self.geometry = ModelGeometry(
             "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
             vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim)
-        self.kernel = ATTENTION_KERNELS[attention]
+        self.kernel = kernel_kind(ATTENTION_KERNELS[attention])
         self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
                                             dtype_bytes=dtype_bytes)
         self.model = CostModel(self.geometry, self.hardware, kernel=self.kernel)

@@ -11,8 +11,7 @@ import pytest
 from aserve.engine.config import ATTENTION_BACKENDS, ModelConfig
 from aserve.engine.cuda_graphs import GRAPH_BACKENDS as CAPTURED
 from models.attention import get_backend
-from models.backends import BACKENDS, GRAPH_BACKENDS, TRITON_BACKENDS
-from scheduler.calibrate import ATTENTION_KERNELS
+from models.backends import ATTENTION_KERNELS, BACKENDS, GRAPH_BACKENDS, TRITON_BACKENDS
 from scheduler.cost_model import KERNELS
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
