@@ -10,8 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from aserve.engine.sequence import Event, IterationRecord, Request, SamplingParams, TransferRecord
-from aserve.engine.sequence import Sequence as SeqState
+from aserve.engine.sequence import (
+    Event,
+    IterationRecord,
+    Request,
+    SamplingParams,
+    SeqState,
+    TransferRecord,
+)
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, summarize
 from bench.workloads import Workload
 from scheduler import PolicyConfig, get_policy, tree_range

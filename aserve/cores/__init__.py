@@ -13,7 +13,18 @@ the `Wiring` between instances; `BlockLedger`; `Lifecycle`; `PrefillCore`; `Batc
 `continuous` baseline).
 """
 
-from aserve.cores.base import Core, Forward, Move, Window, seq_views
+from aserve.cores.base import (
+    BatcherMessage,
+    Core,
+    Forward,
+    Move,
+    Pooled,
+    StagingFreed,
+    WantsBatch,
+    Window,
+    WindowReport,
+    seq_views,
+)
 from aserve.cores.batcher import MATCH_STAGING_SHARE, BatcherCore, Order
 from aserve.cores.colocated import ColocatedCore
 from aserve.cores.decode import DecodeCore
@@ -22,6 +33,7 @@ from aserve.cores.lifecycle import Lifecycle
 from aserve.cores.prefill import PrefillCore
 from aserve.cores.wiring import Driver, Wiring
 
-__all__ = ["LOCATIONS", "MATCH_STAGING_SHARE", "BatcherCore", "BlockLedger", "ColocatedCore",
-           "Core", "DecodeCore", "Driver", "Forward", "Lifecycle", "Move", "Order",
-           "PrefillCore", "Window", "Wiring", "kv_stores", "seq_views"]
+__all__ = ["LOCATIONS", "MATCH_STAGING_SHARE", "BatcherCore", "BatcherMessage", "BlockLedger",
+           "ColocatedCore", "Core", "DecodeCore", "Driver", "Forward", "Lifecycle", "Move",
+           "Order", "Pooled", "PrefillCore", "StagingFreed", "WantsBatch", "Window",
+           "WindowReport", "Wiring", "kv_stores", "seq_views"]

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from aserve.engine.sequence import SeqStatus, Sequence
+from aserve.engine.sequence import SeqState, SeqStatus
 from scheduler import Policy, SeqView
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class Move:
     two stores of one KV tensor (`handover`) nothing is copied: the destination's room is
     reserved, and the commit hands the block table over."""
 
-    seq: Sequence
+    seq: SeqState
     src: str
     dst: str
     num_blocks: int
@@ -43,7 +43,7 @@ class Forward:
     """One forward pass: compute `num_new_tokens[i]` more tokens of `seqs[i]`."""
 
     instance: str
-    seqs: list[Sequence]
+    seqs: list[SeqState]
     num_new_tokens: list[int]
     start_time: float  # when the core issued it (the driver's clock)
     lengths: tuple[int, ...] = field(init=False)  # each seq's prefix once the step is done
@@ -62,6 +62,37 @@ class Window(NamedTuple):
     max_requests: int
 
 
+# What the other cores tell the batcher, as named messages (`Wiring.to_batcher`).
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """`seq`'s KV landed in the host pool: an offload, or a seq returned to the pool."""
+
+    seq: SeqState
+
+
+@dataclass(frozen=True, slots=True)
+class WindowReport:
+    """Decode instance `instance`'s running length window changed (dynamic prefetch)."""
+
+    instance: int
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
+class StagingFreed:
+    """A decode instance freed staging room: its window may match again."""
+
+
+@dataclass(frozen=True, slots=True)
+class WantsBatch:
+    """A decode instance's candidate batch buffer emptied (it sets `wants_batch`)."""
+
+
+BatcherMessage = Pooled | WindowReport | StagingFreed | WantsBatch
+
+
 class Core:
     """What every core offers its driver, whichever kind of instance it runs. The driver
     loops: `step(now)` says what must happen next, a `Forward` to run (then `finish`, whose
@@ -70,7 +101,7 @@ class Core:
     held when the driver's step raised."""
 
     waiting: Any  # an entry core's queue (prefill, colocated)
-    running: list[Sequence]  # a decode (or colocated) core's running batch
+    running: list[SeqState]  # a decode (or colocated) core's running batch
     current_batch_id = -1  # a decode core's running batch (its iterations may mix two)
     prefilled = SeqStatus.PREFILLING  # a seq's status once its prefill has ended here
 
@@ -87,7 +118,7 @@ class Core:
     def step(self, now: float) -> Forward | list[Move] | None:
         raise NotImplementedError
 
-    def submit(self, seq: Sequence, front: bool = False) -> None:
+    def submit(self, seq: SeqState, front: bool = False) -> None:
         raise NotImplementedError  # an entry core's (prefill, colocated)
 
     def finish(self, step: Forward, token_ids: list[int | None],
@@ -138,11 +169,11 @@ class Core:
                 forks += self._fork(seq, now)
             if not seq.is_finished:
                 if was_prefill:
-                    seq.status = self.prefilled
+                    self.life.transition(seq, self.prefilled)
                 self.life.append_token(seq, token_id, logprob, now)
         return forks
 
-    def _fork(self, seq: Sequence, now: float) -> list[Move]:
+    def _fork(self, seq: SeqState, now: float) -> list[Move]:
         """Starts the samples waiting on `seq`'s prefill (n > 1), right after it: each gets
         blocks in `seq`'s store for a copy of the prompt's KV but the last token, which it
         recomputes to draw its own first token, and a copy of the prompt logprobs. Called
@@ -155,12 +186,12 @@ class Core:
         A store raising ends that sample alone.
         """
         moves: list[Move] = []
-        unforked: list[Sequence] = []
+        unforked: list[SeqState] = []
         for child in self.life.reap(seq.forks, now):
             child.num_computed_tokens = seq.num_prompt_tokens - 1  # all but the last token
             move = self.life.reserve(child, seq.location, seq, at=now)
             if move is not None:
-                child.status = seq.status
+                self.life.transition(child, seq.status)
                 child.prompt_logprobs[:] = seq.prompt_logprobs
                 moves.append(move)
             elif not child.is_finished:
@@ -172,7 +203,7 @@ class Core:
         return moves
 
 
-def seq_views(seqs: Iterable[Sequence], kv: BlockLedger) -> tuple[SeqView, ...]:
+def seq_views(seqs: Iterable[SeqState], kv: BlockLedger) -> tuple[SeqView, ...]:
     """The policy's view of each of `seqs`, holding the KV blocks of its computed tokens;
     each has waited since its last token (the first comes from prefill), or since arrival
     before that."""

@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aserve.cores.base import Core, Move, Window, seq_views
-from aserve.engine.sequence import SeqStatus, Sequence
+from aserve.cores.base import (
+    BatcherMessage,
+    Core,
+    Move,
+    Pooled,
+    StagingFreed,
+    WantsBatch,
+    Window,
+    WindowReport,
+    seq_views,
+)
+from aserve.engine.sequence import SeqState, SeqStatus
 
 MATCH_STAGING_SHARE = 0.5  # at most this share of free staging goes to matching requests
 
@@ -26,9 +36,9 @@ class Order:
 
     instance: int
     batch_id: int
-    seqs: list[Sequence]
+    seqs: list[SeqState]
     index: int = 0
-    moved: list[Sequence] = field(default_factory=list)
+    moved: list[SeqState] = field(default_factory=list)
     moving: Move | None = None  # its copy in flight
 
 
@@ -42,7 +52,7 @@ class BatcherCore(Core):
         # what the staging buffer cannot take stays in the host pool and is copied straight
         # to decode when admitted, so no request is too big to batch.
         self.batch_blocks = int(self.num_decode_blocks * self.sched.batch_kv_fraction)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, SeqState] = {}
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
@@ -79,10 +89,22 @@ class BatcherCore(Core):
             self.life.fail_all(order.seqs, error, now)
         self.orders = []
 
-    def add(self, seq: Sequence) -> None:
+    def receive(self, message: BatcherMessage) -> None:
+        """A message from another core (`Wiring.to_batcher`)."""
+        match message:
+            case Pooled(seq):
+                self.add(seq)
+            case WindowReport(instance, window):
+                self.report_window(instance, window)
+            case StagingFreed():
+                self.pool_changed()
+            case WantsBatch():
+                pass  # `next_order` reads each decode core's `wants_batch`
+
+    def add(self, seq: SeqState) -> None:
         """`seq`'s KV landed in the host pool: it is pooled, indexed by the policy."""
         assert seq.location == "host", f"{seq.seq_id} pooled without host KV ({seq.location})"
-        seq.status = SeqStatus.POOLED
+        self.life.transition(seq, SeqStatus.POOLED)
         self.seqs[seq.seq_id] = seq
         self.policy.add(seq_views([seq], self.kv)[0])
         self.pool_changed()
@@ -171,7 +193,7 @@ class BatcherCore(Core):
             seq.instance, seq.batch_id = instance, batch_id
         return Order(instance, batch_id, seqs)
 
-    def _remove(self, seq: Sequence) -> None:
+    def _remove(self, seq: SeqState) -> None:
         del self.seqs[seq.seq_id]
         self.policy.remove(seq.seq_id)
 
@@ -188,7 +210,7 @@ class BatcherCore(Core):
         return None
 
     def landed(self, move: Move, now: float) -> None:
-        move.seq.status = SeqStatus.STAGED
+        self.life.transition(move.seq, SeqStatus.STAGED)
         self.life.event(move.seq.seq_id, "prefetched", now)
         self._landing(move).moved.append(move.seq)
 

@@ -7,7 +7,7 @@ from typing import Any
 from sortedcontainers import SortedKeyList
 
 from aserve.cores.base import Core, Forward, Move
-from aserve.engine.sequence import SeqStatus, Sequence
+from aserve.engine.sequence import SeqState, SeqStatus
 from scheduler import ContinuousScheduler, ContinuousSeq
 
 # -- colocated ------------------------------------------------------------------------
@@ -16,7 +16,7 @@ from scheduler import ContinuousScheduler, ContinuousSeq
 # budget (ContinuousScheduler), preemption by recompute, no pool.
 
 
-def _arrival_order(seq: Sequence) -> tuple[float, str]:
+def _arrival_order(seq: SeqState) -> tuple[float, str]:
     return seq.request.arrival_time, seq.seq_id
 
 
@@ -30,11 +30,11 @@ class ColocatedCore(Core):
         self.scheduler = ContinuousScheduler(self.sched.max_prefill_tokens,
                                              self.sched.max_batch_size, self.kv.block_size)
         self.waiting = SortedKeyList(key=_arrival_order)
-        self.running: list[Sequence] = []
+        self.running: list[SeqState] = []
 
-    def submit(self, seq: Sequence, front: bool = False) -> None:
+    def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new request; `front` is accepted for symmetry (the queue is in arrival order)."""
-        seq.status = SeqStatus.WAITING
+        self.life.transition(seq, SeqStatus.WAITING)
         self.waiting.add(seq)
 
     def reap(self, now: float) -> None:
@@ -43,7 +43,7 @@ class ColocatedCore(Core):
             self.waiting = SortedKeyList(self.life.reap(list(self.waiting), now),
                                          key=_arrival_order)
 
-    def _view(self, seq: Sequence) -> ContinuousSeq:
+    def _view(self, seq: SeqState) -> ContinuousSeq:
         num_blocks = len(self.kv.table(seq)) if seq.location else 0
         return ContinuousSeq(seq.seq_id, seq.num_tokens, seq.num_computed_tokens, num_blocks,
                              seq.request.arrival_time)
@@ -73,11 +73,11 @@ class ColocatedCore(Core):
             if seq.status == SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 self.running.append(seq)
-                seq.status = SeqStatus.PREFILLING
+                self.life.transition(seq, SeqStatus.PREFILLING)
                 self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, seqs, num_new_tokens, now) if seqs else None
 
-    def _preempt(self, seq: Sequence, now: float) -> None:
+    def _preempt(self, seq: SeqState, now: float) -> None:
         """Frees a running seq's KV and queues it again for recompute."""
         self.running.remove(seq)
         self.kv.release(seq)

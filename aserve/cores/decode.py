@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from aserve.cores.base import Core, Forward, Move, Window, seq_views
-from aserve.cores.batcher import BatcherCore
-from aserve.engine.sequence import SeqStatus, Sequence
+from aserve.cores.base import (
+    Core,
+    Forward,
+    Move,
+    Pooled,
+    StagingFreed,
+    WantsBatch,
+    Window,
+    WindowReport,
+    seq_views,
+)
+from aserve.engine.sequence import SeqState, SeqStatus
 from scheduler import BoundaryPlan, BoundaryView
 
 # -- decode ---------------------------------------------------------------------------
@@ -25,9 +34,9 @@ class DecodeCore(Core):
     def __init__(self, ctx: Any, index: int) -> None:
         super().__init__(ctx, f"decode{index}", index)
         self.staging = f"staging{index}"
-        self.running: list[Sequence] = []
-        self.cand_requests: list[Sequence] = []  # evicted or dynamically prefetched
-        self.cand_batch: list[Sequence] = []
+        self.running: list[SeqState] = []
+        self.cand_requests: list[SeqState] = []  # evicted or dynamically prefetched
+        self.cand_batch: list[SeqState] = []
         self.cand_batch_id = self.current_batch_id = -1
         self.wants_batch = True  # a batch was asked for (the first: `Wiring.connect`)
         self.window: tuple[int, int] | None = None
@@ -35,7 +44,7 @@ class DecodeCore(Core):
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
         self._forward_next = False  # the boundary is planned: the iteration comes next
 
-    def receive(self, batch_id: int, seqs: list[Sequence]) -> None:
+    def receive(self, batch_id: int, seqs: list[SeqState]) -> None:
         """Staged seqs from the batcher: the next candidate batch, or candidate requests
         when `batch_id` < 0."""
         if batch_id < 0:
@@ -55,7 +64,7 @@ class DecodeCore(Core):
     def ask_for_batch(self) -> None:
         if not self.cand_batch and not self.wants_batch:
             self.wants_batch = True
-            self.wiring.to_batcher()
+            self.wiring.to_batcher(WantsBatch())
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """The boundary's moves; once they landed, the admissions' moves; once those landed,
@@ -73,7 +82,7 @@ class DecodeCore(Core):
         if "host" in self._freed:
             self.wiring.pool_space()
         if self.staging in self._freed:
-            self.wiring.to_batcher(BatcherCore.pool_changed)
+            self.wiring.to_batcher(StagingFreed())
         self._freed.clear()
         if self._forward_next:
             self._forward_next = False
@@ -119,7 +128,7 @@ class DecodeCore(Core):
             candidate_batch=seq_views(self.cand_batch, self.kv),
             current_batch_id=self.current_batch_id, now=now)
 
-    def _evict(self, seq: Sequence, now: float) -> list[Move]:
+    def _evict(self, seq: SeqState, now: float) -> list[Move]:
         """Running -> candidate requests buffer, else host pool, else recompute later."""
         self.running.remove(seq)
         self.life.event(seq.seq_id, "evicted", now)
@@ -132,7 +141,7 @@ class DecodeCore(Core):
             self.wiring.submit(seq, front=True)  # prefill it again, first in line
         return [move] if move else []
 
-    def _to_pool(self, seq: Sequence, now: float) -> Move | None:
+    def _to_pool(self, seq: SeqState, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the
         pool has no room it stays where it is."""
         never_staged = seq.location == "host"  # a candidate request: no copy
@@ -146,10 +155,10 @@ class DecodeCore(Core):
         else:
             self.cand_requests.remove(seq)
         if never_staged:
-            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
+            self.wiring.to_batcher(Pooled(seq))
         return move
 
-    def _admit(self, seq_ids: tuple[str, ...], buffer: list[Sequence],
+    def _admit(self, seq_ids: tuple[str, ...], buffer: list[SeqState],
                now: float) -> list[Move]:
         """Candidate buffer -> decode cache (from staging over the device link, or from
         the host pool for seqs that were never staged)."""
@@ -175,12 +184,12 @@ class DecodeCore(Core):
         if move.dst == self.name:
             if seq.status < SeqStatus.DECODING:
                 self.life.event(seq.seq_id, "decode_start", now)
-            seq.status = SeqStatus.DECODING
+            self.life.transition(seq, SeqStatus.DECODING)
         elif move.dst == self.staging:
-            seq.status = SeqStatus.STAGED
+            self.life.transition(seq, SeqStatus.STAGED)
             self.cand_requests.append(seq)
         else:
-            self.wiring.to_batcher(lambda batcher: batcher.add(seq))
+            self.wiring.to_batcher(Pooled(seq))
 
     def failed(self, move: Move, error: str, now: float) -> None:
         """A boundary copy failed: that seq alone ends with an error."""
@@ -201,7 +210,7 @@ class DecodeCore(Core):
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)
 
-    def _report_window(self, runnable: list[Sequence]) -> None:
+    def _report_window(self, runnable: list[SeqState]) -> None:
         """Tells the batcher the length window of pool requests that could join the running
         batch (the policy's ``prefetch_basis`` and ``prefetch_window``) when it changes."""
         if not self.policy.uses_dynamic_prefetch:
@@ -219,7 +228,7 @@ class DecodeCore(Core):
             held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
             slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
             room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
-            self.wiring.to_batcher(lambda batcher: batcher.report_window(self.index, room))
+            self.wiring.to_batcher(WindowReport(self.index, room))
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from collections.abc import Sequence as Sequence_
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aserve.cores.base import Move
-from aserve.engine.sequence import Sequence, TransferRecord
+from aserve.engine.sequence import SeqState, TransferRecord
 from scheduler import ceil_div
 from transport.blocks import allocators_for
 
 LOCATIONS = ("prefill", "staging", "host", "decode")
 
 
-def kv_stores(prefill_devices: Sequence_[str], decode_devices: Sequence_[str],
+def kv_stores(prefill_devices: Sequence[str], decode_devices: Sequence[str],
               cache: Any, host_blocks: int) -> dict[str, tuple[str, int]]:
     """Every KV store, by name, with its device and its blocks (from `cache`, the engine's
     CacheConfig or the simulator's cluster): `prefill{i}` scratch on prefill device i;
@@ -57,7 +56,7 @@ class BlockLedger:
     def free_blocks(self, name: str) -> int:
         return self.allocators[name].num_free
 
-    def allocate(self, seq: Sequence, name: str, num_tokens: int) -> bool:
+    def allocate(self, seq: SeqState, name: str, num_tokens: int) -> bool:
         """Gives `seq` fresh blocks in store `name`; False (nothing changed) when full."""
         assert not seq.location, f"{seq.seq_id} already holds KV in {seq.location}"
         if self.allocators[name].allocate(seq.seq_id, num_tokens) is None:
@@ -65,20 +64,20 @@ class BlockLedger:
         seq.location = name
         return True
 
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def grow(self, seq: SeqState, num_tokens: int) -> bool:
         """Extends `seq`'s table in its store to cover `num_tokens`; False when full."""
         return self.allocators[seq.location].grow(seq.seq_id, num_tokens) is not None
 
-    def table(self, seq: Sequence) -> list[int]:
+    def table(self, seq: SeqState) -> list[int]:
         return self.allocators[seq.location].table(seq.seq_id)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SeqState) -> None:
         """Frees every block `seq` holds, wherever it is; a no-op when it holds none."""
         if seq.location:
             self.allocators[seq.location].free(seq.seq_id)
             seq.location = ""
 
-    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None) -> Move | None:
+    def reserve(self, seq: SeqState, dst: str, parent: SeqState | None = None) -> Move | None:
         """Allocates room for `seq`'s KV (its `num_computed_tokens` entries) in store `dst`;
         None (nothing changed) when `dst` is full. The source keeps the KV until `commit`.
         Where both stores share one KV tensor, the room is only reserved (a hand-over).

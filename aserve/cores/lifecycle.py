@@ -11,8 +11,8 @@ from aserve.engine.sequence import (
     Event,
     EventKind,
     IterationRecord,
+    SeqState,
     SeqStatus,
-    Sequence,
     StepOutput,
 )
 
@@ -45,7 +45,7 @@ class Lifecycle:
         self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
-        self.on_finish: Callable[[Sequence], None] = lambda seq: None  # the driver's bookkeeping
+        self.on_finish: Callable[[SeqState], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
 
     def _keep(self, trace: list[Any], item: object) -> int:
@@ -77,7 +77,7 @@ class Lifecycle:
         else:
             self.iteration(record)
 
-    def append_token(self, seq: Sequence, token_id: int, logprob: float | None,
+    def append_token(self, seq: SeqState, token_id: int, logprob: float | None,
                      at: float) -> None:
         """Appends one sampled token, records its event, streams it, and finishes the
         sequence if a stop condition holds (a stop token or EOS once `min_tokens` are out,
@@ -98,12 +98,19 @@ class Lifecycle:
         elif seq.num_output_tokens >= params.max_tokens:
             self.finish(seq, SeqStatus.FINISHED_LENGTH, at=at)
 
+    def transition(self, seq: SeqState, status: SeqStatus) -> None:
+        """Moves `seq` to `status`: the one writer of a request's status (a finished one
+        through `finish`, which also ends the stream and frees the KV). A finished seq
+        never changes again."""
+        assert not seq.is_finished, f"{seq.seq_id}: {seq.status!r} -> {status!r}"
+        seq.status = status
+
     def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
         """Asks for `seq_id` to end; the core that holds it finishes it at its next safe
         point (never mid-forward or mid-copy)."""
         self.finish_requests.setdefault(seq_id, status)
 
-    def reap(self, seqs: list[Sequence], at: float) -> list[Sequence]:
+    def reap(self, seqs: list[SeqState], at: float) -> list[SeqState]:
         """Finishes the seqs an abort or stop string asked to end; returns the live ones."""
         live = []
         for seq in seqs:
@@ -114,7 +121,7 @@ class Lifecycle:
                 live.append(seq)
         return live
 
-    def finish(self, seq: Sequence, status: SeqStatus, error: str | None = None, *,
+    def finish(self, seq: SeqState, status: SeqStatus, error: str | None = None, *,
                at: float, release: bool = True) -> None:
         """Marks `seq` finished, ends its stream and frees its blocks (unless `release` is
         False: another task may still be using them)."""
@@ -123,7 +130,8 @@ class Lifecycle:
             self.kv.release(seq)
         if seq.is_finished:
             return
-        seq.status, seq.error = status, error
+        self.transition(seq, status)
+        seq.error = error
         self.num_finished += 1
         for child in seq.forks:  # samples that were to start from its prefill
             self.finish(child, status, error, at=at)
@@ -134,7 +142,7 @@ class Lifecycle:
             queue.put_nowait(StepOutput(seq.seq_id, (), (), at, True, seq.finish_reason, error))
         self.on_finish(seq)
 
-    def reserve(self, seq: Sequence, dst: str, parent: Sequence | None = None, *,
+    def reserve(self, seq: SeqState, dst: str, parent: SeqState | None = None, *,
                 at: float) -> Move | None:
         """`BlockLedger.reserve`, except that a store refusing the allocation by raising
         ends `seq` alone with an error (check `seq.is_finished` after None)."""
@@ -145,7 +153,7 @@ class Lifecycle:
             self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
             return None
 
-    def fail_all(self, seqs: Iterable[Sequence], error: str, at: float) -> None:
+    def fail_all(self, seqs: Iterable[SeqState], error: str, at: float) -> None:
         """Ends each of `seqs` with `error` (a failed forward, copy or store)."""
         for seq in seqs:
             self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from aserve.cores.base import Core, Forward, Move
-from aserve.engine.sequence import SeqStatus, Sequence
+from aserve.cores.base import Core, Forward, Move, Pooled
+from aserve.engine.sequence import SeqState, SeqStatus
 
 # -- prefill --------------------------------------------------------------------------
 # PrefillCore: one prefill instance. Packs waiting prompts under a token budget into one
@@ -19,13 +19,13 @@ class PrefillCore(Core):
 
     def __init__(self, ctx: Any, index: int) -> None:
         super().__init__(ctx, f"prefill{index}", index)
-        self.waiting: deque[Sequence] = deque()
-        self.blocked: deque[Sequence] = deque()  # prefilled; waiting for host-pool room
-        self.prefilling: list[Sequence] = []  # the forward in flight
+        self.waiting: deque[SeqState] = deque()
+        self.blocked: deque[SeqState] = deque()  # prefilled; waiting for host-pool room
+        self.prefilling: list[SeqState] = []  # the forward in flight
 
-    def submit(self, seq: Sequence, front: bool = False) -> None:
+    def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
-        seq.status = SeqStatus.WAITING
+        self.life.transition(seq, SeqStatus.WAITING)
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def reap(self, now: float) -> None:
@@ -50,7 +50,7 @@ class PrefillCore(Core):
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
         self.reap(now)
         budget = self.sched.max_prefill_tokens
-        batch: list[Sequence] = []
+        batch: list[SeqState] = []
         while self.waiting:
             seq = self.waiting[0]
             if batch and seq.num_tokens > budget:
@@ -66,7 +66,7 @@ class PrefillCore(Core):
             return None
         self.prefilling = batch
         for seq in batch:
-            seq.status = SeqStatus.PREFILLING
+            self.life.transition(seq, SeqStatus.PREFILLING)
             self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
 
@@ -97,6 +97,6 @@ class PrefillCore(Core):
             self.blocked.append(seq)
             return
         self.life.event(seq.seq_id, "pooled", now)
-        self.wiring.to_batcher(lambda batcher: batcher.add(seq))
+        self.wiring.to_batcher(Pooled(seq))
 
 

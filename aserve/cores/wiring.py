@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from collections.abc import Sequence as Sequence_
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from aserve.cores.base import Core
+from aserve.cores.base import BatcherMessage, Core
 from aserve.cores.batcher import BatcherCore
 from aserve.cores.colocated import ColocatedCore
 from aserve.cores.decode import DecodeCore
 from aserve.cores.prefill import PrefillCore
-from aserve.engine.sequence import Sequence
+from aserve.engine.sequence import SeqState
 
 
 class Driver(Protocol):
@@ -36,15 +35,14 @@ class Wiring:
     def drivers(self) -> list[Driver]:
         return [*self.prefills, *filter(None, [self.batcher]), *self.decodes]
 
-    def to_batcher(self, call: Callable[[BatcherCore], object] = lambda core: None) -> None:
-        """Tells the batcher (`call` on its core at once) and wakes it: a seq pooled, a
-        decode instance wanting a batch (no call), a window reported, staging room freed."""
+    def to_batcher(self, message: BatcherMessage) -> None:
+        """Hands the batcher's core `message` at once and wakes its driver."""
         assert self.batcher is not None, "the disaggregated cluster has a batcher"
-        call(self.batcher.core)
+        self.batcher.core.receive(message)
         self.batcher.wake()
 
     def connect(self, drive: Callable[[Core, str | None], Driver], ctx: Any,
-                decode_devices: Sequence_[str]) -> None:
+                decode_devices: Sequence[str]) -> None:
         """Builds the cores of `ctx.policy` (one colocated instance per decode device if it
         uses no pool; else prefill instances, the batcher and decode instances) over the
         driver's context `ctx` (see `Core`; its `config` is the engine's EngineConfig or the
@@ -61,7 +59,7 @@ class Wiring:
         if self.batcher is not None:
             self.batcher.wake()  # every decode instance starts out wanting a batch
 
-    def submit(self, seq: Sequence, front: bool = False) -> None:
+    def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new request (or one to prefill again, `front` first in line) goes to the
         entry instance with the fewest waiting tokens (prefill, or colocated)."""
         entry = self.prefills or self.decodes
@@ -75,7 +73,7 @@ class Wiring:
         for driver in self.drivers:
             driver.core.reap(now)
 
-    def deliver(self, instance: int, batch_id: int, seqs: list[Sequence]) -> None:
+    def deliver(self, instance: int, batch_id: int, seqs: list[SeqState]) -> None:
         """Staged seqs for decode instance `instance`: a candidate batch, or candidate
         requests when `batch_id` < 0."""
         self.decodes[instance].core.receive(batch_id, seqs)

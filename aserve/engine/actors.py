@@ -29,7 +29,7 @@ import torch
 from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from aserve.engine.config import EngineConfig
 from aserve.engine.runner import PenaltySettings, PromptLogprobs, StepResult, WorkItem
-from aserve.engine.sequence import Sequence
+from aserve.engine.sequence import SeqState
 from models.cpu_kernels import advise_huge_pages
 from scheduler import Policy
 from transport.copy import Copier
@@ -184,7 +184,7 @@ class KVSpace(BlockLedger):
         self.commit(move, start, clock())
 
 
-def work_item(seq: Sequence, block_table: list[int], num_new_tokens: int) -> WorkItem:
+def work_item(seq: SeqState, block_table: list[int], num_new_tokens: int) -> WorkItem:
     """The runner's view of computing `num_new_tokens` more of `seq`'s tokens."""
     start = seq.num_computed_tokens
     end = start + num_new_tokens

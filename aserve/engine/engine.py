@@ -30,8 +30,8 @@ from aserve.engine.sequence import (
     Request,
     RequestOutput,
     SamplingParams,
+    SeqState,
     SeqStatus,
-    Sequence,
     StepOutput,
 )
 from aserve.engine.step_probe import EngineStepCost, probe
@@ -53,7 +53,7 @@ class Engine:
         self._runner_factory = runner_factory or ModelRunner  # a test's runner replaces it
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
-        self._live: dict[str, Sequence] = {}
+        self._live: dict[str, SeqState] = {}
         self.ctx: EngineContext | None = None
         self.tokenizer: Tokenizer
         self.is_running = False
@@ -234,7 +234,7 @@ class Engine:
         return [self._stream(seq, queue) for seq, queue in self._submit(requests, is_admitted)]
 
     def _submit(self, requests: list[Request], is_admitted: bool = False
-                ) -> list[tuple[Sequence, asyncio.Queue[StepOutput]]]:
+                ) -> list[tuple[SeqState, asyncio.Queue[StepOutput]]]:
         ctx = self._context
         if not self.is_running:
             raise EngineError("the engine is stopped")
@@ -245,7 +245,7 @@ class Engine:
                                    f"(max_waiting={self.config.scheduler.max_waiting})")
         prompt = requests[0].prompt_token_ids
         assert all(r.prompt_token_ids == prompt for r in requests), "samples share one prompt"
-        seqs = [Sequence.from_request(r) for r in requests]
+        seqs = [SeqState.from_request(r) for r in requests]
         queues: list[asyncio.Queue[StepOutput]] = []
         for seq in seqs:
             queues.append(asyncio.Queue())
@@ -266,7 +266,7 @@ class Engine:
         async for out in self._stream(*self._submit([request], is_admitted)[0]):
             yield out
 
-    async def _stream(self, seq: Sequence,
+    async def _stream(self, seq: SeqState,
                       queue: asyncio.Queue[StepOutput]) -> AsyncIterator[RequestOutput]:
         """The outputs of a submitted sequence, from its queue (see `generate`)."""
         detok = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids,
@@ -291,7 +291,7 @@ class Engine:
             if not finished:
                 self.abort(seq.seq_id)
 
-    def _on_finish(self, seq: Sequence) -> None:
+    def _on_finish(self, seq: SeqState) -> None:
         self._live.pop(seq.seq_id, None)
 
     async def complete(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -358,7 +358,7 @@ class Engine:
         self._context.kv.check_integrity()
 
 
-def _output(seq: Sequence, detok: IncrementalDetokenizer, reason: str | None,
+def _output(seq: SeqState, detok: IncrementalDetokenizer, reason: str | None,
             error: str | None) -> RequestOutput:
     return RequestOutput(
         request_id=seq.seq_id, prompt_token_ids=list(seq.request.prompt_token_ids),

@@ -139,7 +139,7 @@ class Event:
 
 
 @dataclass(slots=True)
-class Sequence:
+class SeqState:
     """The engine's mutable state for one request; owned by exactly one actor at a time.
 
     token_ids:  | prompt ............ | output ...... |
@@ -165,11 +165,11 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (if asked)
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
-    forks: list[Sequence] = field(default_factory=list)  # samples of this prompt (n > 1)
+    forks: list[SeqState] = field(default_factory=list)  # samples of this prompt (n > 1)
     # waiting for this sequence's prefill; they start from a copy of its KV
 
     @classmethod
-    def from_request(cls, request: Request) -> Sequence:
+    def from_request(cls, request: Request) -> SeqState:
         return cls(
             request=request,
             token_ids=list(request.prompt_token_ids),

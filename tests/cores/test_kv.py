@@ -4,7 +4,7 @@ freed only when the copy lands (or the destination when it fails)."""
 from __future__ import annotations
 
 from aserve.cores import BlockLedger
-from aserve.engine.sequence import Request, SamplingParams, Sequence
+from aserve.engine.sequence import Request, SamplingParams, SeqState
 
 
 def ledger(**sizes: int) -> BlockLedger:
@@ -12,10 +12,10 @@ def ledger(**sizes: int) -> BlockLedger:
     return BlockLedger({n: (n, k) for n, k in sizes.items()}, block_size=4, share_memory=False)
 
 
-def seq(num_tokens: int, request_id: str = "a") -> Sequence:
+def seq(num_tokens: int, request_id: str = "a") -> SeqState:
     request = Request(request_id=request_id, prompt_token_ids=(1,) * num_tokens,
                       sampling=SamplingParams(), arrival_time=0.0)
-    s = Sequence.from_request(request)
+    s = SeqState.from_request(request)
     s.num_computed_tokens = num_tokens
     return s
 

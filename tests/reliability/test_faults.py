@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aserve import Engine, SamplingParams
 from aserve.cores import Move
 from aserve.engine.config import ServerConfig
-from aserve.engine.sequence import RequestOutput, Sequence
+from aserve.engine.sequence import RequestOutput, SeqState
 from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, make_prompts
@@ -80,7 +80,7 @@ async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str) -
     assert_only_victims_failed(outs, {"victim"}, "injected forward failure")
 
 
-Inject = Callable[[Sequence, str], None]
+Inject = Callable[[SeqState, str], None]
 
 
 def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject,
@@ -92,12 +92,12 @@ def fail_first_move(engine: Engine, path: tuple[str, str], inject: Inject,
     original = getattr(kv, when)
     victims: list[str] = []
 
-    def arm(seq: Sequence, dst_name: str) -> None:
+    def arm(seq: SeqState, dst_name: str) -> None:
         if seq.location.startswith(path[0]) and dst_name.startswith(path[1]) and not victims:
             victims.append(seq.seq_id)
             inject(seq, dst_name)
 
-    def reserve(seq: Sequence, dst_name: str, *parent: Sequence) -> object:
+    def reserve(seq: SeqState, dst_name: str, *parent: SeqState) -> object:
         arm(seq, dst_name)
         return original(seq, dst_name, *parent)
 
@@ -125,7 +125,7 @@ async def run_with_fault(path: tuple[str, str], make_inject: Callable[[Engine], 
 def copy_fault(engine: Engine) -> Inject:
     kv = engine.ctx.kv  # type: ignore[union-attr]
 
-    def inject(seq: Sequence, dst_name: str) -> None:
+    def inject(seq: SeqState, dst_name: str) -> None:
         # NOTE: on the CPU every store shares one copy engine; copies run in order on the
         # thread that `Copier.executor` names, so arming it there, right before this move's
         # copy is queued (no await in between), makes exactly this copy fail.
@@ -165,7 +165,7 @@ def host_refusal(engine: Engine) -> Inject:
             setattr(allocator, name, method)
         raise MemoryError("injected: host pool refused the allocation")
 
-    def inject(seq: Sequence, dst_name: str) -> None:
+    def inject(seq: SeqState, dst_name: str) -> None:
         for name in originals:
             setattr(allocator, name, refuse_once)
     return inject

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 
 from aserve.cores import Move
-from aserve.engine.sequence import Request, SamplingParams, Sequence
+from aserve.engine.sequence import Request, SamplingParams, SeqState
 from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig, CostModel, get_geometry, get_hardware
 from sim.drivers import SimContext
@@ -66,7 +66,7 @@ def transfer_context(hardware: str) -> tuple[SimContext, float]:
 def move(src: str, dst: str, num_blocks: int) -> Move:
     request = Request(request_id="r", prompt_token_ids=(1,), sampling=SamplingParams(),
                       arrival_time=0.0)
-    return Move(Sequence.from_request(request), src, dst, num_blocks)
+    return Move(SeqState.from_request(request), src, dst, num_blocks)
 
 
 def test_link_transfers_queue_behind_each_other() -> None:
