@@ -104,7 +104,7 @@ def paired_ratios(doc: dict[str, object], workload: str) -> list[float]:
 
 # A scaled-down padded run measured idle (24 requests of 64 tokens, decode KV of 90 blocks);
 # its iteration records calibrate the simulator's padded cost model for this CPU.
-SCALED_DOWN_RECORDS = RESULTS / "issue15_padded_idle.iterations"
+SCALED_DOWN_RECORDS = Path(__file__).resolve().parent / "data" / "padded_scaled_down.iterations"
 
 
 def test_bubble_regime_predicted() -> None:

@@ -17,7 +17,7 @@ from sim import ClusterConfig, CostModel, CostParams, get_geometry, simulate
 from sim.run import arrival_stamps
 from sim.validate import cluster_from_header
 
-RECORDS = Path(__file__).parents[2] / "benchmarks" / "results" / "sim_validation"
+RECORDS = Path(__file__).parents[1] / "data" / "sim_validation"  # a calibration run's records
 
 
 def _cost() -> CostModel:
@@ -62,14 +62,14 @@ def test_simultaneous_requests_start_in_submission_order(system: str) -> None:
 
 
 def test_offline_continuous_replays_the_engines_batches() -> None:
-    """The committed calibration run (benchmarks/results/sim_validation/cal5*: the engine,
+    """The committed calibration run (tests/data/sim_validation/cal5*: the engine,
     `continuous`, 64 offline requests): the simulator forms the same 84 steps, each with the
     same batch size, prefill tokens and prefix lengths. With ties broken by request id it
     diverged from the first step (12 prompts, 2048 prefill tokens in the engine; 15 there),
     and its P99 TPOT on Azure conv was 32 % low."""
     config_doc = json.loads((RECORDS / "cal5.json").read_text())["config"]
     header, records = load_records(
-        RECORDS / "cal5.iterations" / "synthetic-s0.7__continuous-paged.jsonl")
+        RECORDS / "cal5_continuous.jsonl")
     cluster = cluster_from_header({**header, **config_doc["sizing"]["synthetic-s0.7"]})
     workload = load_workload("synthetic", num_requests=config_doc["num_requests"],
                              short_ratio=0.7, length_scale=config_doc["length_scale"],
