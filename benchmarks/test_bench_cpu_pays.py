@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.workloads import synthetic
-from benchmarks.test_bench_engine import RESULTS, run_cli
+from benchmarks.test_bench_engine import run_cli
 
 pytestmark = pytest.mark.bench
 
