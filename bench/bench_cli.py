@@ -395,10 +395,9 @@ def main(argv: list[str]) -> int:
         return 2
     total = sum(w.num_requests for w in workloads) * len(systems) * args.repeats
     with tqdm(total=total, unit="req", desc="aserve bench", mininterval=PROGRESS_S) as bar:
-        # NOTE: a benchmark process's first run spent 11-15 % more time in prefill than
-        # the same system's next runs in the process (fcfs three times, three processes;
-        # decode the same; benchmarks/RESULTS.md §22), and that run was always the first
-        # system's: the warm-up run takes that cost. The rotation goes on from one workload
+        # NOTE: a benchmark process's first run spends more time in prefill than the same
+        # system's next runs in the process, and that run was always the first system's:
+        # the warm-up run takes that cost. The rotation goes on from one workload
         # to the next (workload i starts at systems[i mod n]) so that no system is first on
         # every workload.
         runs = [run_workload(w, systems, settings, lambda: bar.update(1), args.repeats,

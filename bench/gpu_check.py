@@ -1,4 +1,4 @@
-"""One-command GPU check (issue 7): the gpu-marked tests, each attention backend on uniform vs
+"""One-command GPU check: the gpu-marked tests, each attention backend on uniform vs
 skewed batches of equal total KV, decode steps against the measured memory-bandwidth floor, and
 an aligned / fcfs / continuous engine run. Writes gpu_check.json and gpu_check.md.
 

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row (default 5)")
     p.add_argument("--native-half-matmuls", action="store_true",
                    help="keep torch's bf16/fp16 GEMM even where the runner would compute the "
-                        "matmuls in float32 (the engine before issue 17; default off)")
+                        "matmuls in float32 (an engine without the float32 path; default off)")
     args = p.parse_args(argv)
     if args.native_half_matmuls:
         runner_module.fit_matmuls_to = lambda model, device: False

@@ -2,8 +2,8 @@
 
 torch has no paged attention on the CPU: the plain-torch `paged` path computes its scores
 as sampled dot products (one small gathered dot per (sequence, head, position)), which at
-short contexts runs several times slower than reading the KV once (benchmarks/RESULTS.md,
-issue 17), and in bf16 without AVX-512 BF16 each product converts element by element. This
+short contexts runs several times slower than reading the KV once (docs/results.md), and
+in bf16 without AVX-512 BF16 each product converts element by element. This
 kernel reads each sequence's K and V rows once through its block table, token by token,
 accumulates in float32 (bf16 values are widened exactly) and rounds the output once. Given
 this step's K/V, each work item first writes its sequence's new row (rounded to the cache's
@@ -109,7 +109,7 @@ static inline f32x4 sum8x4(f32x8 a, f32x8 b, f32x8 c, f32x8 d) {
    weighted sum of V; float32 throughout. Queries and output are QT (QLOAD, QSTORE), the
    cache T (LOAD, STORE). `scores` holds group * max_len floats, position-major (the score
    of position p and head h at p * group + h).
-   The loads of K and V are what a decode step waits for (benchmarks/RESULTS.md §10): both
+   The loads of K and V are what a decode step waits for: both
    passes stream rows in memory order and keep several independent chains in flight, so
    that the arithmetic hides under the loads. q.k takes four (token, head) pairs at a time,
    four dot products whose sums reduce together (`sum8x4`); p.v takes four tokens at a

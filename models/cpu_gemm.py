@@ -1,16 +1,16 @@
 """A float32 GEMM for linear layers on the CPU, in C, compiled once on first use.
 
 `out = x @ weight.T + bias`, then ReLU or `+ residual`, from a weight packed once into
-16-column panels (`pack`). On the AVX2 CPU of issue 17 torch's GEMMs at decode shapes
-(64 rows x 768-3072, the 50272-row LM head) reach 0.6-0.8x the rate of a large square
-matmul (oneDNN and MKL alike, benchmarks/RESULTS.md §10); this kernel's 6 x 16 register
+16-column panels (`pack`). On an AVX2 CPU torch's GEMMs at decode shapes
+(tens of rows against the weight matrices and the LM head) reach well below the rate of a
+large square matmul (oneDNN and MKL alike); this kernel's 6 x 16 register
 tile (12 accumulators, BLIS's Haswell shape) over K blocks of 256 that stay in L1 gets
 closer. Work items are (block of up to 192 rows, panel) pairs; the caller and
 `torch.get_num_threads() - 1` helper threads, kept parked between calls, claim them from
 the two ends of the list, so that each walks consecutive panels and prefetches the one it
 takes next. The rows are spread evenly over the register tiles (64 = 9 x 6 + 2 x 5), and
 the last K block adds the bias, applies ReLU or adds the residual while the sums are still
-in registers, writing the output once (RESULTS §10, "Eighth stop").
+in registers, writing the output once.
 
 Optional, as torch's GEMM stays the reference: `linear` returns None when the kernel cannot
 run (no C compiler, not float32 on the CPU), and the caller falls back. Built and cached by
@@ -211,8 +211,8 @@ static void run(Shared *s, int from_back) {
     }
 }
 
-/* Helper threads kept between calls (a thread's start costs about 25 us of CPU here, and a
-   decode step makes ~50 calls), parked on `wake` until a caller posts a job. One job at a
+/* Helper threads kept between calls (a thread's start costs tens of microseconds, and a
+   decode step makes dozens of calls), parked on `wake` until a caller posts a job. One job at a
    time: a caller that finds another's job posted (calls from two threads) works alone. */
 static struct {
     pthread_mutex_t mu;

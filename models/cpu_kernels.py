@@ -7,8 +7,7 @@ when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
 
 `advise_huge_pages` asks Linux for transparent huge pages under the large buffers those
 kernels stream every decode step (the packed weights, the KV cache): with 4 KiB pages each
-page read costs a TLB miss, a two-level page walk under a hypervisor (benchmarks/RESULTS.md
-§10, issue 17).
+page read costs a TLB miss, a two-level page walk under a hypervisor.
 """
 
 from __future__ import annotations

@@ -132,9 +132,8 @@ class Float32Linear(nn.Module):
     `weight` stays the original tensor (its values and dtype, e.g. for a state dict).
 
     `kernel` is the first of `KERNELS` that runs here: `models.cpu_gemm` (C, 16-column
-    panels; faster than oneDNN at decode shapes on issue 17's AVX2 CPU, benchmarks/RESULTS.md
-    §10), oneDNN's prepacked linear, or `F.linear`; weights under `PACK_MIN_WEIGHTS`
-    elements take `F.linear`."""
+    panels; faster than oneDNN at decode shapes on an AVX2 CPU), oneDNN's prepacked linear,
+    or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()

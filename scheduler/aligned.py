@@ -35,18 +35,16 @@ from scheduler.step_time import GrowingStep, growing_step, mixing_pays
 NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
 SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
-# NOTE: latency guard (benchmarks/RESULTS.md §12). TPOT counts every wait between two
-# tokens, and an evicted seq waits, in the candidate requests buffer, until blocks for all
-# its KV are free: seconds for a long one on a full decode instance, spread over few tokens.
-# So a seq that waits longer than STALL_STEPS predicted steps for its next token goes first,
-# in the order it stalled. Admissions also leave the running seqs room to grow for
-# HEADROOM_STEPS more steps (at most HEADROOM_SHARE of the instance's blocks), so that
-# evictions become rare (64 met the simulator's P99 TPOT target where the stall bound alone
-# did not). That room is held back from the candidate batch too, whose seqs wait for their
-# second token meanwhile (ShareGPT4 at trace rate: fresh requests waited 1-2 s beside a
-# decode instance with room for them), so it shrinks as the candidate batch waits: to none
-# once its oldest seq has waited HEADROOM_STEPS predicted steps, as long as the room was
-# meant to protect the running seqs for (``headroom_kept``).
+# NOTE: latency guard. TPOT counts every wait between two tokens, and an evicted seq waits,
+# in the candidate requests buffer, until blocks for all its KV are free: long for a long
+# seq on a full decode instance, spread over few tokens. So a seq that waits longer than
+# STALL_STEPS predicted steps for its next token goes first, in the order it stalled.
+# Admissions also leave the running seqs room to grow for HEADROOM_STEPS more steps (at
+# most HEADROOM_SHARE of the instance's blocks), so that evictions become rare; the stall
+# bound alone does not keep P99 TPOT down. That room is held back from the candidate batch
+# too, whose seqs wait for their second token meanwhile, so it shrinks as the candidate
+# batch waits: to none once its oldest seq has waited HEADROOM_STEPS predicted steps, as
+# long as the room was meant to protect the running seqs for (``headroom_kept``).
 HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
@@ -87,14 +85,13 @@ class AlignedPolicy(AlignedStrictPolicy):
         once requests that arrived more than the threshold after its last progress are
         served or waiting beside it.
 
-        NOTE: benchmarks/RESULTS.md §13. Measured from ``now``, every request of a backlog
-        that arrives at once (offline) starves once the threshold has passed, and serving
-        them in arrival order, alignment aside, mixed long and short seqs in a third of the
-        padded CPU run's steps (each pays for the longest): 29.8 predicted tok/s against
-        39.9 with starvation off, and a P99 TPOT of 2.0 s against 1.4 s, since a backlog's
-        P99 TPOT is set by its makespan. Such a backlog is finite, so it drains in the
-        order the cost model prefers (liveness as with the threshold off); under a stream
-        the latest arrival is about ``now`` and the threshold bounds waits as before."""
+        NOTE: measured from ``now``, every request of a backlog that arrives at once
+        (offline) starves once the threshold has passed, and serving them in arrival order,
+        alignment aside, mixes long and short seqs where each step pays for the longest,
+        costing throughput and, since a backlog's P99 TPOT is set by its makespan, latency
+        too. Such a backlog is finite, so it drains in the order the cost model prefers
+        (liveness as with the threshold off); under a stream the latest arrival is about
+        ``now`` and the threshold bounds waits as before."""
         return min(now, self._last_arrival)
 
     def _begin(self, slots: int) -> None:
@@ -190,16 +187,12 @@ class AlignedPolicy(AlignedStrictPolicy):
         window, shortest first while they fit; none where ``alignment_pays`` says no: there
         the pool is served as fcfs serves it, one batch at a time.
 
-        NOTE: benchmarks/RESULTS.md §19, §23. Where grouping cannot pay, a dynamic prefetch
-        has nothing to match, and what it does is bind pooled requests to one decode
-        instance early. Matching within the window kept the long requests out (the issue's
-        paged workload on the CPU: ~65 closing decode steps of 1-3 long seqs, fcfs 3);
-        matching oldest first of any length (§19's fix) bound them to whichever instance
-        asked first, and with several decode instances the others ran dry while it worked
-        through them: in the simulator, OPT-13B on 8 x H100 with split-K, 0.85x, 0.98x and
-        0.94x fcfs on the synthetic, Azure code and Azure conv backlogs (P99 TPOT up to
-        1.27x fcfs's). With no dynamic prefetch here, `aligned` runs at fcfs's throughput
-        and P99 TPOT in every split-K and longest-first cell of three samples."""
+        NOTE: where grouping cannot pay, a dynamic prefetch has nothing to match, and what
+        it does is bind pooled requests to one decode instance early. Matching within the
+        window keeps the long requests out until a tail of small closing steps; matching
+        oldest first of any length binds them to whichever instance asked first, and with
+        several decode instances the others run dry while it works through them. With no
+        dynamic prefetch here, `aligned` runs as fcfs does where alignment cannot pay."""
         if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
             return super().matching(lo, hi, max_blocks, max_requests, now)
         return []
@@ -212,16 +205,13 @@ class AlignedPolicy(AlignedStrictPolicy):
         per-sequence kernel for its imbalance; a paged or split-K step costs its total
         work, so there grouping by length cannot pay).
 
-        NOTE: benchmarks/RESULTS.md §16, eighth stop. Where it cannot, density-first search
-        still chose the densest, shortest subtrees and left the longest requests for last:
-        at 70 % short on the 2-core CPU (paged), decode memory holds ~4 of them, and
-        `aligned` ended each run with ~44 decode steps of 1-6 long seqs (3.1 s, against
-        fcfs's 24 and 0.9 s) and a P99 TPOT 1.7x fcfs's. There the pool is served oldest
-        first, as fcfs serves it."""
-        # NOTE: benchmarks/RESULTS.md §19. The pool alone near the end of a backlog holds one
-        # request or none, and then says nothing: dynamic prefetch took any length, and a
-        # padded run mixed its last long requests into short batches (460-495 padded KV
-        # tokens per generated token against 362-375).
+        NOTE: where it cannot, density-first search would still choose the densest,
+        shortest subtrees and leave the longest requests for last, to decode in a tail of
+        small steps with a high P99 TPOT. There the pool is served oldest first, as fcfs
+        serves it."""
+        # NOTE: the pool alone near the end of a backlog holds one request or none, and then
+        # says nothing: dynamic prefetch would take any length, and a padded run would mix
+        # its last long requests into short batches. So the lengths at hand count too.
         root = self.tree.root
         if root.num_requests:
             lengths = [*lengths, next(root.requests())[0], next(root.requests(reverse=True))[0]]
@@ -305,12 +295,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
         running = [s.length for s in view.running]
-        # NOTE: benchmarks/RESULTS.md §19. Where grouping cannot pay (over the pool nor over
-        # the lengths at hand), evictions and admissions go as fcfs's: the most recent
-        # arrival goes first, and admissions strictly in arrival order. Evicting the longest and
-        # skipping a long candidate that did not fit yet let the shorter ones behind it take
-        # every block freed; the long ones decoded alone at the end (a tail of ~65 steps of
-        # 1-3 seqs on the issue's paged workload).
+        # NOTE: where grouping cannot pay (over the pool nor over the lengths at hand),
+        # evictions and admissions go as fcfs's: the most recent arrival goes first, and
+        # admissions strictly in arrival order. Evicting the longest and skipping a long
+        # candidate that does not fit yet let the shorter ones behind it take every block
+        # freed; the long ones would decode alone at the end, in a tail of small steps.
         fifo = not self.alignment_pays([*running, *(s.length for s in (
             *view.candidate_requests, *view.candidate_batch))])
         if reserve > view.free_blocks:
@@ -319,13 +308,10 @@ class AlignedPolicy(AlignedStrictPolicy):
             if evict:
                 return BoundaryPlan(evict=evict)
         if fifo:
-            # NOTE: benchmarks/RESULTS.md §20. Both buffers as one queue, strictly oldest
-            # first, with no headroom kept: fcfs's admission. Refills of candidate requests
-            # (stalled ones first) had kept going past an older candidate batch that was
-            # waiting to mix or drain: five long requests waited ~2 s in staging while 25
-            # later ones went past them, then decoded in a tail of small steps (149 decode
-            # steps at 70 % short on the Fig. 7 sweep, fcfs 140; the simulator, replaying
-            # the engine's own records, gave the same counts). With this rule: 139.
+            # NOTE: both buffers as one queue, strictly oldest first, with no headroom kept:
+            # fcfs's admission. Refills of candidate requests (stalled ones first) would
+            # keep going past an older candidate batch waiting to mix or drain, and its
+            # long requests would then decode in a tail of small steps.
             return admit_in_arrival_order(view, reserve, running)
         if running and view.candidate_requests:  # a refill may follow: its step, costed
             # once for the stall bound and the refill's first question alike
@@ -382,10 +368,10 @@ class AlignedPolicy(AlignedStrictPolicy):
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token.
 
-        NOTE: decision time (benchmarks/RESULTS.md §12). The admission loop asks this of
-        each candidate in turn with one list, ``lengths``, that only grows (admitted seqs
-        are appended), so the batch is costed as a ``growing_step``: with the model's
-        incremental form a candidate costs O(1), not a pass over ~250 running seqs."""
+        NOTE: decision time. The admission loop asks this of each candidate in turn with one
+        list, ``lengths``, that only grows (admitted seqs are appended), so the batch is
+        costed as a ``growing_step``: with the model's incremental form a candidate costs
+        O(1), not a pass over every running seq."""
         if not lengths:
             return True
         refill = self._refill

@@ -183,10 +183,8 @@ class AlignedStrictPolicy(Policy):
         the starvation threshold ago are never sent back.
 
         NOTE: the drain costs batch occupancy, the returns cost KV copies (two, out and back
-        in). On tests/cores/test_alignment.py's pool this keeps 100 % of iterations within
-        1.5x, but it costs decode throughput: 0.72-0.96x fcfs on the CPU sweep, about half
-        of aligned-loose's in the simulator where decode is the bottleneck. The other
-        designs measured and their costs are in benchmarks/RESULTS.md section 3.
+        in). On tests/cores/test_alignment.py's pool this keeps every iteration within the
+        bound, but it costs decode throughput against fcfs wherever misalignment is cheap.
         """
         evict = plan_evictions(view, victims)
         if evict:

@@ -15,7 +15,7 @@ BY_ID, BY_ARRIVAL = operator.attrgetter("seq_id"), operator.attrgetter("arrival_
 ADMIT_LOOKAHEAD = 1  # extra tokens of growth an admission reserves beyond the next step
 # NOTE: liveness. A batch switch that returns the old batch's stragglers to the pool could
 # return them again when they come back as the next batch, and two small groups of unlike
-# lengths would trade places forever, a KV round trip per token (issue 15's livelock). So
+# lengths would trade places forever, a KV round trip per token (a livelock). So
 # a policy returns a seq to the pool at most this many times; then it stays until done.
 MAX_RETURNS = 2
 
@@ -116,8 +116,8 @@ def by_length_desc(seqs: Iterable[SeqView]) -> list[SeqView]:
 
 def by_arrival(seqs: Iterable[SeqView]) -> list[SeqView]:
     """Oldest first, then by id. NOTE: two stable sorts on one key each, by id then by
-    arrival: the same order as one sort on (arrival, id), 3-4x faster over a candidate
-    batch of 150-250 seqs whose arrivals tie (it is sorted at every boundary it waits)."""
+    arrival: the same order as one sort on (arrival, id), and faster over a large candidate
+    batch whose arrivals tie (it is sorted at every boundary it waits)."""
     return sorted(sorted(seqs, key=BY_ID), key=BY_ARRIVAL)
 
 

@@ -112,7 +112,7 @@ class CostParams:
     imbalance_scale: float = 1.0  # weight of the attention imbalance term
     # Prompt tokens priced apart from the step's roofline, at their own share of the matmul
     # rate (None: inside it, at flops_efficiency). On the CPU a GEMM of a few decode rows
-    # runs far below its rate at a prompt's hundreds (benchmarks/RESULTS.md §19).
+    # runs far below its rate at a prompt's hundreds.
     prefill_flops_efficiency: float | None = None
     # Prefill attention's time per FLOP beyond the matmuls' (0: both at the same rate; on
     # the CPU, one SDPA call per prompt runs far slower per FLOP than the GEMMs).
@@ -352,7 +352,7 @@ def wave_tokens(lengths: Sequence[int], heads: int, slots: int) -> int:
     # lasts[w] or lasts[w] + 1, so reduceat's segment [firsts[w], firsts[w + 1]) plus the
     # sequence lasts[w] is exactly the wave (reduceat gives firsts[w]'s alone when the next
     # wave starts on the same sequence). One vectorised pass: a cost-aware policy calls this
-    # several times per decision (benchmarks/RESULTS.md §11, decision time).
+    # several times per decision.
     array = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
     return int(np.maximum(np.maximum.reduceat(array, firsts), array[lasts]).sum())
 

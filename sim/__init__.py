@@ -1,5 +1,5 @@
 """Discrete-event simulator: the real `scheduler/` policies driven by a simulated clock on a
-calibrated cost model, at scales beyond one machine (issue 9). Imports no torch and no
+calibrated cost model, at scales beyond one machine. Imports no torch and no
 engine; it emits the engine's lifecycle events and iteration records.
 """
 

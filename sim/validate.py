@@ -19,7 +19,7 @@ from sim.cluster import ClusterConfig
 from sim.run import simulate
 
 METRICS = ("decode_throughput", "tpot_p99", "tpot_mean", "ttft_mean")
-TOLERANCE = 0.15  # issue 9: predictions within 15 % of the engine
+TOLERANCE = 0.15  # predictions count as valid within this share of the engine's figure
 BENCH_BATCH_REQUESTS = 32  # `aserve bench --batch-requests` default (BenchSettings)
 _CLUSTER_KEYS = ("block_size", "num_decode_blocks", "num_prefill_blocks", "num_staging_blocks",
                  "max_prefill_tokens", "max_batch_size", "min_requests", "leaf_width",

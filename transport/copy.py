@@ -98,9 +98,8 @@ class CopyEngine:
         self.raise_if_armed()
         # NOTE: one slice copy per run of blocks consecutive in both stores (a block is one
         # contiguous row of every layer's K and V), straight from src to dst. The gather into
-        # a fresh tensor and scatter out of it that CUDA uses ran at 0.6 GB/s on a 2-core CPU
-        # against 3-12 GB/s for slices, and every request's KV is copied three times on its
-        # way to decode (benchmarks/RESULTS.md §16, eighth stop).
+        # a fresh tensor and scatter out of it that CUDA uses is several times slower than
+        # slices on a CPU, and every request's KV is copied three times on its way to decode.
         for src_start, dst_start, length in block_runs(src_ids, dst_ids):
             dst.tensor[dst_start:dst_start + length].copy_(
                 src.tensor[src_start:src_start + length])
@@ -146,8 +145,8 @@ class Copier:
     on a copy thread of their own, CPU-to-CPU copies on `cpu_executor` when given.
 
     NOTE: give it the CPU device's forward thread. In a thread of its own a CPU copy's
-    OpenMP team spun against the forward pass's on the same cores (an opt-tiny iteration
-    took ~160 ms instead of ~1 ms), and a CPU has no separate copy engine to overlap with.
+    OpenMP team spins against the forward pass's on the same cores and slows every
+    iteration many times over, and a CPU has no separate copy engine to overlap with.
     """
 
     def __init__(self, cpu_executor: Executor | None = None) -> None:

@@ -155,14 +155,9 @@ class BatcherCore(Core):
         """The instances whose window wants a matching pass, the one with the most room
         first (free batch slots, then decode blocks; ties by index).
 
-        NOTE: benchmarks/RESULTS.md §23. In index order, decode0's window had the first pick
-        of every request the pool gained, and with several decode instances it ran the
-        largest batches and ended last: in the simulator (OPT-13B, 8 x H100, per-seq
-        kernel, synthetic backlog at 4+4) `aligned`'s four instances averaged 57, 29, 32
-        and 22 seqs per step and decode0 set the makespan (0.95x fcfs); with the most room
-        first, 30-40 each and 1.03x fcfs. Over three samples of each workload the median
-        `aligned` / fcfs went from 0.93 to 0.96 (synthetic), 1.00 to 1.02 (Azure code),
-        0.97 to 0.99 (ShareGPT4) offline."""
+        NOTE: in index order, decode0's window gets the first pick of every request the
+        pool gains; with several decode instances it then runs the largest batches and
+        ends last, setting the makespan. Most room first keeps the instances even."""
         windows = self.windows
         return sorted(self.pending, key=lambda i: (-windows[i].max_requests,
                                                    -windows[i].max_blocks, i))

@@ -161,7 +161,6 @@ class KVSpace(BlockLedger):
         super().__init__(layout, geometry.block_size, config.cache.share_kv_memory)
         # NOTE: a step reads most of its cache; its blocks are untouched yet (torch.empty),
         # so they fault in as huge pages on the CPU: fewer TLB misses per step
-        # (benchmarks/RESULTS.md §10, issue 17)
         self.stores = stores_for(layout, self.allocators, geometry, torch.cuda.is_available(),
                                  advise=advise_huge_pages)
         # copies between CPU stores run in the CPU device's forward thread (`Copier`)

@@ -4,10 +4,10 @@ glibc's malloc serves large blocks with `mmap` and adapts that threshold as bloc
 each freed mmapped block goes back to the OS and the next one of its size is faulted in again,
 one zeroed page at a time. A decode step allocates and frees tens of megabytes of activations
 and logits whose sizes change with the batch, so until the threshold settles every step pays
-those page faults: the first system of a benchmark process decoded 20-25 % slower than the
-same system run second (benchmarks/RESULTS.md §11). vLLM's CPU guide preloads tcmalloc for the
-same reason; fixing glibc's thresholds at start-up does it without a preload: blocks up to
-32 MiB come from the heap and the heap keeps up to 256 MiB of free memory at its top.
+those page faults, and the first system of a benchmark process decodes slower than the same
+system run second. vLLM's CPU guide preloads tcmalloc for the same reason; fixing glibc's
+thresholds at start-up does it without a preload: blocks up to 32 MiB come from the heap and
+the heap keeps up to 256 MiB of free memory at its top.
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ class ModelRunner:
             max_position_embeddings=config.max_position_embeddings,
         )
         self.model.eval()
-        # NOTE: prepacked float32 matmuls on CPUs (benchmarks/RESULTS.md, issue 17): torch's
-        # bf16/fp16 GEMM without AVX-512 BF16/AMX runs 4-10x slower than float32.
+        # NOTE: prepacked float32 matmuls on CPUs: torch's bf16/fp16 GEMM without AVX-512
+        # BF16 or AMX runs several times slower than float32 (docs/results.md).
         if fit_matmuls_to(self.model, device):
             logger.info("%s model on the CPU: linear layers compute in prepacked float32",
                         config.dtype)

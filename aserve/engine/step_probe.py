@@ -37,10 +37,9 @@ FIRST_FIT = 32  # decode iterations recorded before the constants are first refi
 REFIT_GROWTH = 4  # then refitted each time the records have grown this many times
 PROBE_BATCH = 8  # seqs per probe step (at most the engine's max_batch_size)
 PROBE_LONGEST = 512  # KV tokens of the probe's longest seq (less if the cache is small)
-# NOTE: each probe step runs this many times and the fastest counts. With 2, six start-ups
-# of one engine (opt-125m bf16, padded, shared 2-core CPU) fitted an imbalance weight of
-# 3.8-6.5, and two benchmark runs minutes apart made different padded decisions (519 and
-# 640 decode steps); with 6, 4.5-4.9 (benchmarks/RESULTS.md §22). The refits keep that weight.
+# NOTE: each probe step runs this many times and the fastest counts: with fewer, start-ups
+# on a shared CPU fit imbalance weights far apart, and two runs of one benchmark make
+# different decisions. The refits keep the probe's weight.
 PROBE_REPEATS = 6
 
 
@@ -96,15 +95,11 @@ class EngineStepCost:
         probe's steps, which weigh as much as the records in all, keeping the imbalance
         weight the probe measured.
 
-        NOTE: benchmarks/RESULTS.md §18 and §21. Fitted to its records alone, a padded
-        `aligned` run (64 requests) replaced the probe's imbalance weight (2.8) by 0 at its
-        128th record, as the module's docstring warns: its aligned steps cannot tell
-        imbalance from per-seq overhead. It then mixed lengths and paid 475 padded KV tokens
-        per generated token instead of 367 (59.5 against 66.8 tok/s). With the probe's steps
-        in the fit, a noisy spell still halved it at the 32nd record (`imbalance_weight` 3.2
-        against the probe's 5.8) and the run paid 482 instead of 380.
-        The probe's steps differ in length by design and measure that weight; the records
-        refine the rest."""
+        NOTE: fitted to its records alone, a padded `aligned` run loses the imbalance weight
+        (its aligned steps cannot tell imbalance from per-seq overhead, as the module's
+        docstring warns), then mixes lengths and pays for padding; even with the probe's
+        steps in the fit a noisy spell can halve it. The probe's steps differ in length by
+        design and measure that weight; the records refine the rest."""
         rows = [dataclasses.asdict(r) for r in self.records
                 if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
         self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
@@ -139,10 +134,9 @@ def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_si
     doubling in size up to ``max_batch_size`` (as many as the cache holds). Returns them as
     iteration records of instance "probe"; [] when the cache is too small to probe.
 
-    NOTE: the size sweep is what a fit needs to price a large batch: fitted to records of at
-    most 25 seqs, sim/calibrate.py's per-seq term priced Azure conv's steps of 32-45 seqs at
-    1.15-1.29x their time (benchmarks/RESULTS.md §20). A fit of both workloads' records
-    together is within 5 % at every size, so the model's form is not what was missing."""
+    NOTE: the size sweep is what a fit needs to price a large batch: fitted to records of
+    small batches only, the per-seq term overprices larger ones, while a fit over all sizes
+    holds at every size, so the model's form is not what was missing."""
     n = max(2, min(PROBE_BATCH, max_batch_size))
     longest = min(PROBE_LONGEST, max_len - 2, (num_blocks - 1) // n * block_size - 1)
     if longest < 16:
