@@ -54,9 +54,9 @@ async def test_aligned_strict_keeps_iterations_aligned_where_fcfs_mixes() -> Non
     print(f"aligned iterations: aligned-strict {aligned:.2f}, aligned-loose {loose:.2f}, "
           f"fcfs {fcfs:.2f}")
     # measured on the 2-core CPU over prompt seeds 0-3: aligned-strict (max_spread 1.5) 1.00,
-    # aligned-loose (the paper's rules without the bound) 0.62-0.74, fcfs 0.06-0.11 (see
-    # the issue note). The default `aligned` decides by predicted throughput instead, which
-    # on the paged backend keeps batches full rather than aligned (benchmarks/RESULTS.md).
+    # aligned-loose (the paper's rules without the bound) 0.62-0.74, fcfs 0.06-0.11. The
+    # default `aligned` decides by predicted throughput instead, which
+    # on the paged backend keeps batches full rather than aligned.
     assert aligned >= 0.85, aligned
     assert fcfs <= 0.2, fcfs
     assert loose >= 4 * fcfs, (loose, fcfs)

@@ -1,9 +1,9 @@
-"""Issue 15, the CPU half of "when does prefix-aware batching pay?" (`pytest -m bench`, not
+"""The CPU half of "when does prefix-aware batching pay?" (`pytest -m bench`, not
 CI): every policy on the same weights and requests in one run, in the bubble regime (padded
 attention pays for the batch's longest sequence) and the no-bubble regime (paged attention
-reads each sequence's own KV). Results land in benchmarks/results/ (see RESULTS.md §8).
+reads each sequence's own KV). Results land in benchmarks/results/.
 
-The workload is the issue's: OPT-125m geometry (random weights), bf16, 90 % prompts of
+The workload: OPT-125m geometry (random weights), bf16, 90 % prompts of
 32-256 tokens and 10 % of 512-1024 (4-8x the short mean), 128 output tokens each, offline;
 decode KV holds about `BATCH_REQUESTS` median requests, so the pool needs >= 4x it.
 """
@@ -34,10 +34,10 @@ BUBBLE_VS_FCFS = 1.5  # padded: aligned decode tok/s >= 1.5x fcfs
 BUBBLE_VS_CONTINUOUS = 1.3  # ... and >= 1.3x continuous
 BUBBLE_TPOT_P99 = 1.5  # ... and P99 TPOT >= 1.5x lower than fcfs
 NO_BUBBLE_FLOOR = 0.97  # paged: aligned >= 0.97x the better of fcfs and continuous
-FIG7_POINTS = "0.7,0.8,0.9,0.95"  # benchmarks/RESULTS.md §3
+FIG7_POINTS = "0.7,0.8,0.9,0.95"
 # The sweep is prefill-bound on a 2-core CPU (prefill and decode share the cores) and one
-# run of a system varies by 5-12 % on a steady machine, up to a third on a loaded one
-# (RESULTS §15, §22): each point runs the systems of the target this many times in rotated
+# run of a system varies by several percent on a steady machine, far more on a loaded one:
+# each point runs the systems of the target this many times in rotated
 # order, after `aserve bench`'s warm-up run, and compares medians.
 FIG7_SYSTEMS = ("aligned", "fcfs", "continuous")
 FIG7_REPEATS = int(os.environ.get("ASERVE_PAYS_REPEATS", "5"))
@@ -109,7 +109,7 @@ SCALED_DOWN_RECORDS = Path(__file__).resolve().parent / "data" / "padded_scaled_
 
 def test_bubble_regime_predicted() -> None:
     """The simulator (the engine's own cores and policies, on the cost model fitted to the
-    scaled-down run's records) predicts the issue's full-size bubble regime in seconds: a
+    scaled-down run's records) predicts the full-size bubble regime in seconds: a
     check of the policies' decisions at full size before the half-hour engine run."""
     from scheduler.calibrate import load_records
     from scheduler.hardware import get_hardware

@@ -1,4 +1,4 @@
-"""Engine benchmarks of issue 3 (`pytest bench -m bench`, not CI): offline throughput of
+"""Engine benchmarks (`pytest bench -m bench`, not CI): offline throughput of
 `opt-125m` under `fcfs` and `continuous` beside the transformers peer on the same weights and
 requests, and the event loop's lag while `opt-125m` decodes a batch of 32 on the CPU.
 """
@@ -27,8 +27,8 @@ from bench.workloads import Workload, WorkloadRequest
 
 pytestmark = pytest.mark.bench
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_VS_TRANSFORMERS = 3.0  # issue 3: decode throughput >= 3x transformers generate
-MAX_LOOP_LAG_S = 0.05  # issue 3: a timer task's lag stays under 50 ms
+TARGET_VS_TRANSFORMERS = 3.0  # decode throughput >= 3x transformers generate
+MAX_LOOP_LAG_S = 0.05  # a timer task's lag stays under 50 ms
 MS = 1e3
 
 

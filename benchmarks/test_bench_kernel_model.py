@@ -1,5 +1,5 @@
-"""The simulator's per-seq kernel model on the issue's figures and the paper's motivation
-experiment (issue 15, items 7 and 8). Predictions of the cost model (uncalibrated priors),
+"""The simulator's per-seq kernel model on the measured kernel figures and the paper's motivation
+experiment. Predictions of the cost model (uncalibrated priors),
 not measurements; written to benchmarks/results/kernel_model.md.
 
     .venv/bin/python -m pytest -m bench benchmarks/test_bench_kernel_model.py -s

@@ -1,4 +1,4 @@
-"""Issue 15's livelock, replayed (`pytest -m bench`, not CI): a long-prompt, summarization-like
+"""The long-prompt livelock, replayed (`pytest -m bench`, not CI): a long-prompt, summarization-like
 workload (prompts median ~2.7k tokens, outputs median ~170, total <= 4,096), 2,000 requests,
 OPT-13B on 6 prefill + 2 decode H100s, offline, per-seq kernel. Before MAX_RETURNS, `aligned`
 never finished it: after ~1,170 simulated seconds every event was one decode instance's KV

@@ -2,7 +2,7 @@
 short-share sweep with Figs. 13/14 from the same runs, the Azure `code` replay for every
 policy, two identical runs for the spread, and client mode against our own server.
 
-Each test runs one `aserve bench` command; results land in benchmarks/results/ (see RESULTS.md).
+Each test runs one `aserve bench` command; results land in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from benchmarks.test_bench_engine import RESULTS, run_cli, throughput
 
 pytestmark = pytest.mark.bench
 POLICIES = "aligned,aligned-strict,aligned-loose,aligned-noprefetch,fcfs,continuous"
-SWEEP_BUDGET_S = 20 * 60  # issue 6: the Fig. 7 + 13/14 command must finish within this
-REPEAT_TOLERANCE = 0.10  # issue 6: two runs agree within 10 % on decode throughput
-HTTP_TOLERANCE = 0.15  # issue 6: client mode within 15 % of the in-process run
+SWEEP_BUDGET_S = 20 * 60  # the Fig. 7 + 13/14 command must finish within this
+REPEAT_TOLERANCE = 0.10  # two runs agree within 10 % on decode throughput
+HTTP_TOLERANCE = 0.15  # client mode within 15 % of the in-process run
 REPO = Path(__file__).resolve().parent.parent
 
-# The ONE documented command (RESULTS.md) behind Figs. 7, 13 and 14.
+# The ONE documented command behind Figs. 7, 13 and 14.
 SHORT_RATIOS = "0.7,0.8,0.9,0.95"
 FIG7_ARGS = ["--workload", "synthetic", "--short-ratio", SHORT_RATIOS,
              "--num-requests", "128", "--offline", "--systems", POLICIES,

@@ -172,7 +172,7 @@ def test_bench_per_iteration_decision_with_10k_pooled(name: str, kernel: str | N
     sim = DecodeSim(rng)
     samples: list[float] = []
     cpu: list[float] = []  # the thread's CPU time: on a shared machine wall time also
-    # counts the time other processes held the core (load average in RESULTS.md)
+    # counts the time other processes held the core (the load average is reported beside it)
     with_dfs: list[float] = []
     for it in range(ITER_REPEATS):
         now = it * 0.02

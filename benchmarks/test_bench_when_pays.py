@@ -1,4 +1,4 @@
-"""When does prefix-aware batching pay? The simulator's half of the table (issue 15, item 5).
+"""When does prefix-aware batching pay? The simulator's half of the table.
 
 OPT-13B on 8 x H100 (cost model, uncalibrated priors), kernel (per-seq in batch order,
 per-seq longest-first, split-K) x workload (synthetic 90 % short with decode-heavy outputs,
@@ -19,7 +19,7 @@ follow the seed), and the summary table gives each ratio's median and range over
 NOTE: a simulated run is deterministic, so a second run of one sample says nothing; the
 samples are the repeats. One sample of a few hundred requests is decided by its tail: on
 split-K ShareGPT4 offline, aligned-loose ran 1.16x, 1.00x, 1.00x and 1.06x fcfs on
-seeds 0-3 (benchmarks/RESULTS.md §23).
+seeds 0-3.
 
     ASERVE_WHEN_PAYS_REQUESTS=400 ASERVE_WHEN_PAYS_SPLITS=2+6,4+4,6+2 \
         ASERVE_WHEN_PAYS_SEEDS=0,1,2 \
@@ -60,7 +60,7 @@ SEEDS = tuple(int(s) for s in os.environ.get("ASERVE_WHEN_PAYS_SEEDS", "0,1,2").
 TRACE_LOAD = 0.7  # untimed workloads arrive at this share of fcfs's offline req/s
 EVENTS_PER_REQUEST = 3000  # event cap per request (fcfs needs ~30, a thrashing aligned ~700)
 MIN_REQUESTS = 128  # the paper's saturating batch (aserve sim's default on GPUs)
-BAR = 0.97  # issue 15: aligned >= this x the better of fcfs and aligned-loose
+BAR = 0.97  # aligned >= this x the better of fcfs and aligned-loose
 
 
 def _splits() -> list[tuple[int, int]]:
@@ -162,7 +162,7 @@ def _figure(c: Cell, system: str, key: str, over: str = "fcfs") -> float:
 
 
 def better_ratio(c: Cell, system: str = "aligned") -> float:
-    """`system`'s decode tok/s ÷ the better of fcfs's and aligned-loose's (issue 15's bar);
+    """`system`'s decode tok/s ÷ the better of fcfs's and aligned-loose's (the bar);
     NaN where `system` or both rivals were cut off."""
     ratios = [r for over in ("fcfs", "aligned-loose") if over in c.rows
               and not math.isnan(r := _figure(c, system, "tok_s", over))]
@@ -171,7 +171,7 @@ def better_ratio(c: Cell, system: str = "aligned") -> float:
 
 def summary_markdown(cells: list[Cell]) -> str:
     """One row per (kernel, workload, load) over its seeds: each ratio's median and range,
-    and how many seeds meet issue 15's bar (aligned >= 0.97x the better of fcfs and
+    and how many seeds meet the bar (aligned >= 0.97x the better of fcfs and
     aligned-loose with P99 TPOT no worse than fcfs's, both to two places)."""
     groups: dict[tuple[str, str, str], list[Cell]] = {}
     for c in cells:

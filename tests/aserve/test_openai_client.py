@@ -114,7 +114,7 @@ def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
 
 
-# The bodies of the issue that used to be refused or ignored, sent by the official client.
+# Bodies a server could refuse or ignore, sent by the official client.
 FIELDS = {
     "presence_penalty": dict(presence_penalty=0.5),
     "frequency_penalty": dict(frequency_penalty=0.5),

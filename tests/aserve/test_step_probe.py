@@ -31,7 +31,7 @@ async def test_aligned_decides_with_a_model_fitted_to_a_startup_probe(attention:
 async def test_every_engine_probes_batch_sizes_up_to_what_its_cache_holds() -> None:
     """The probe runs under fcfs too (its steps calibrate the simulator from any run's log),
     and its batches grow past PROBE_BATCH: a calibration fitted to steps of at most 25 seqs
-    priced steps of 32-45 at 1.15-1.29x their time (benchmarks/RESULTS.md §20)."""
+    priced steps of 32-45 at 1.15-1.29x their time."""
     config = make_config(policy="fcfs", max_batch_size=64)
     async with Engine(config) as engine:
         probed = engine.probe_iterations
@@ -51,8 +51,8 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
     """An `aligned` run on padded attention records steps whose timings the fit can explain
     without any charge for the spread of lengths (here: they were made so); fitted to them
     alone, the refit dropped the probe's imbalance weight to 0 and `aligned` then mixed
-    lengths (benchmarks/RESULTS.md §18). The refit keeps the probe's imbalance weight and
-    takes the rest from the records (§21)."""
+    lengths. The refit keeps the probe's imbalance weight and
+    takes the rest from the records."""
     import dataclasses
 
     from aserve.engine.sequence import IterationRecord

@@ -41,7 +41,7 @@ def test_without_starvation_candidate_requests_go_first_where_grouping_pays() ->
 def test_where_grouping_cannot_pay_both_buffers_are_admitted_oldest_first() -> None:
     """Under a total-work step cost (the default, as paged attention's on a CPU) the older
     candidate batch goes before a newer candidate request that matches the running batch,
-    as fcfs would admit them; the request waits for room (RESULTS §20: newer refills that
+    as fcfs would admit them; the request waits for room: newer refills that
     kept passing an older candidate batch left its long requests for a tail of small
     steps)."""
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(

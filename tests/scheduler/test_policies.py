@@ -182,7 +182,7 @@ def test_aligned_serves_the_pool_oldest_first_where_a_step_costs_its_total_work(
 
 def test_aligned_prefetches_nothing_where_a_step_costs_its_total_work() -> None:
     """Where grouping cannot pay there is nothing to match, and a dynamic prefetch would
-    only bind pooled requests to one decode instance early (benchmarks/RESULTS.md §23):
+    only bind pooled requests to one decode instance early:
     the pool waits for the next batch, as fcfs's does. Under a padded cost the window
     matches, shortest first, as aligned-strict."""
     aligned, _ = _mixed_pool(None)
@@ -198,7 +198,7 @@ def test_aligned_prefetches_nothing_where_a_step_costs_its_total_work() -> None:
 def test_aligned_keeps_the_window_when_the_pool_has_drained_to_one_long_request() -> None:
     """A pool of one request shows no spread by itself; with the running batch's window it
     does under a padded cost, so the long request stays out of the short batch (a padded run
-    mixed its last long requests in: benchmarks/RESULTS.md §19). Under a total-work cost
+    mixed its last long requests in). Under a total-work cost
     nothing is matched either, and the next batch takes it, as fcfs's would."""
     for step_time in (padded_step_time, None):
         policy = get_policy("aligned", PolicyConfig(min_requests=1), step_time)

@@ -201,7 +201,7 @@ def _long_request_wait(system: str, threshold: float | None) -> float:
 @pytest.mark.parametrize("system", ["aligned", "aligned-loose"])
 def test_starvation_control_acts_in_simulation(system: str) -> None:
     """The simulator passes its clock to the policy at decode boundaries and to dynamic
-    prefetch: without that (as before issue 16) aligned-loose kept the long request out
+    prefetch: without that, aligned-loose kept the long request out
     for as long as short ones kept coming (~9.7 s), as if starvation control were off."""
     wait_on, wait_off = _long_request_wait(system, 0.3), _long_request_wait(system, None)
     assert wait_off > 3 * wait_on, (wait_on, wait_off)
@@ -210,7 +210,7 @@ def test_starvation_control_acts_in_simulation(system: str) -> None:
 def test_the_decode_window_with_the_most_room_matches_first() -> None:
     """Dynamic prefetch serves the decode instances' windows roomiest first (free slots,
     then blocks), not by index: in index order decode0 had the first pick of every pooled
-    request, ran the largest batches and set the makespan (benchmarks/RESULTS.md §23)."""
+    request, ran the largest batches and set the makespan."""
     config = ClusterConfig.create(prefill_devices=("p",), decode_devices=("d0", "d1", "d2"))
     ctx = SimContext(config, _unit_cost(), get_policy("aligned-loose", PolicyConfig()))
     batcher = BatcherCore(ctx)
