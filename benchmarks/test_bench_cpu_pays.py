@@ -59,7 +59,7 @@ def ratios(doc: dict[str, object], workload: str | None = None) -> dict[str, flo
 
 
 def test_bubble_regime_padded(tmp_path: Path) -> None:
-    doc = run_cli("issue15_padded", [*WORKLOAD, "--attention", "padded"], tmp_path)
+    doc = run_cli("cpu_padded", [*WORKLOAD, "--attention", "padded"], tmp_path)
     assert doc["config"]["sizing"]["pool_ratio"] >= MIN_POOL_RATIO  # type: ignore[index]
     got = ratios(doc)
     assert got["vs fcfs"] >= BUBBLE_VS_FCFS
@@ -68,13 +68,13 @@ def test_bubble_regime_padded(tmp_path: Path) -> None:
 
 
 def test_no_bubble_regime_paged(tmp_path: Path) -> None:
-    doc = run_cli("issue15_paged", [*WORKLOAD, "--attention", "paged"], tmp_path)
+    doc = run_cli("cpu_paged", [*WORKLOAD, "--attention", "paged"], tmp_path)
     got = ratios(doc)
     assert min(got["vs fcfs"], got["vs continuous"]) >= NO_BUBBLE_FLOOR
 
 
 def test_no_bubble_regime_fig7_sweep(tmp_path: Path) -> None:
-    doc = run_cli("issue15_fig7_paged", [
+    doc = run_cli("cpu_fig7_paged", [
         "--workload", "synthetic", "--short-ratio", FIG7_POINTS, "--num-requests", "128",
         "--offline", "--systems", ",".join(FIG7_SYSTEMS), "--model", "opt-125m",
         "--dtype", "bfloat16", "--attention", "paged", "--repeats", str(FIG7_REPEATS)],

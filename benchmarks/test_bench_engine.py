@@ -48,7 +48,7 @@ def throughput(doc: dict[str, object], system: str) -> float:
 
 
 def test_offline_throughput_vs_transformers(tmp_path: Path) -> None:
-    doc = run_cli("issue3_offline_throughput", [
+    doc = run_cli("offline_vs_transformers", [
         "--workload", "synthetic", "--short-ratio", "0.95", "--num-requests", "256",
         "--length-scale", "0.125", "--offline", "--model", "opt-125m", "--dtype", "bfloat16",
         "--systems", "fcfs,continuous,transformers,transformers-cb"], tmp_path)
