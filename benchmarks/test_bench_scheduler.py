@@ -154,7 +154,7 @@ class DecodeSim:
 
 
 def step_cost(kernel: str) -> StepTime:
-    """The simulator's step model of OPT-13B on an H100 with `kernel` (sim/cost.py)."""
+    """The simulator's step model of OPT-13B on an H100 with `kernel` (scheduler/cost_model.py)."""
     return CostModel(get_geometry("opt-13b"), get_hardware("h100"),
                      kernel=kernel).iteration_time  # type: ignore[arg-type]
 

@@ -1,5 +1,5 @@
 """The default policy, `aligned`: prefix-aware batching decided by predicted decode
-throughput (the driver's step-cost model, scheduler/cost.py) instead of a fixed length rule.
+throughput (the driver's step-cost model, scheduler/step_time.py) instead of a fixed length rule.
 
 Where attention pays for the longest sequence of the batch (padded, a per-sequence GPU
 kernel) the cost model makes mixed lengths expensive and the policy groups them; where it

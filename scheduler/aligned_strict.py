@@ -1,7 +1,7 @@
 """The paper's policy: quad-tree pool, density-first search with starvation control,
 dynamic prefetch, and batch-level scheduling at iteration boundaries (docs/design.md §1, §4),
 as two fixed rules: `aligned-strict` (every batch within ``max_spread``) and `aligned-loose`
-(the paper's rules as written). The cost-aware default, `aligned`, is scheduler/throughput.py.
+(the paper's rules as written). The cost-aware default, `aligned`, is scheduler/aligned.py.
 """
 
 from __future__ import annotations

@@ -98,11 +98,11 @@ def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
         hardware: str = "cpu", kernel: KernelKind = "split-k",
         dtype_bytes: int | None = None, imbalance_weight: float | None = None) -> Calibration:
     """Fits the constants of the cost model of (`model`, `hardware`, `kernel`) to `records`
-    (`model`: a name of sim/cost.py's table, or the geometry itself).
+    (`model`: a name of scheduler/cost_model.py's table, or the geometry itself).
 
     `imbalance_weight` holds the imbalance term's weight at the nominal bandwidth fixed
     (`CostParams.imbalance_weight`) and fits the rest: records whose lengths hardly differ
-    cannot tell it from a per-seq cost (aserve/step_cost.py).
+    cannot tell it from a per-seq cost (aserve/engine/step_probe.py).
 
     Raises:
         ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1).

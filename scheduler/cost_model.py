@@ -243,7 +243,7 @@ class CostModel:
 
     def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
         """The decode step over ``lengths`` as a batch that grows one seq at a time (a
-        cost-aware policy tries candidates one by one: scheduler/cost.py ``growing_step``)."""
+        cost-aware policy tries candidates one by one: scheduler/step_time.py ``growing_step``)."""
         return GrowingDecodeStep(self, lengths)
 
     def prefill_time(self, prompt_lens: Sequence[int]) -> float:

@@ -72,7 +72,7 @@ class Policy(ABC):
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
-        # the predicted time of one decode step over given KV lengths (scheduler/cost.py),
+        # the predicted time of one decode step over given KV lengths (scheduler/step_time.py),
         # set by ``get_policy``; a driver may replace it as its constants are refitted
         self.step_time: StepTime = unit_step_time
 

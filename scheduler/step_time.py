@@ -3,9 +3,9 @@ lengths, given by the driver, never computed from torch here.
 
 The functional form (weights, per-sequence overheads, and the attention work of the backend:
 padded = batch x longest, per-sequence = waves over the device's workers, split-K/paged =
-total work) lives in sim/cost.py (``CostModel.iteration_time``), one model for both
+total work) lives in scheduler/cost_model.py (``CostModel.iteration_time``), one model for both
 drivers: the simulator passes its cost model, the engine the same model with constants
-fitted from its own iteration records (aserve/step_cost.py). Policies only compare the
+fitted from its own iteration records (aserve/engine/step_probe.py). Policies only compare the
 numbers, so any unit works as long as one function gives them all.
 """
 
@@ -62,7 +62,7 @@ def growing_step(step_time: StepTime, lengths: Sequence[int],
                  recompute: StepTime | None = None) -> GrowingStep:
     """The step over ``lengths`` as a batch that grows one seq at a time: the model's own
     incremental form where it offers one (a ``decode_step(lengths)`` method on
-    ``step_time``, or on the object whose bound method it is, as sim/cost.py's
+    ``step_time``, or on the object whose bound method it is, as scheduler/cost_model.py's
     ``CostModel.iteration_time``), which must give the very numbers ``step_time`` gives;
     otherwise ``RecomputedStep`` through ``recompute`` (default: ``step_time``)."""
     decode_step = getattr(step_time, "decode_step", None)

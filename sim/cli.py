@@ -296,7 +296,7 @@ def validate_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of `aserve sim` (dispatched from aserve/cli.py)."""
+    """Entry point of `aserve sim` (dispatched from aserve/entrypoints/cli.py)."""
     commands = {"calibrate": calibrate_main, "validate": validate_main}
     try:
         if argv and argv[0] in commands:

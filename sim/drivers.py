@@ -1,4 +1,4 @@
-"""The simulator's driver of the scheduling cores (aserve/cores.py): each instance is a thin
+"""The simulator's driver of the scheduling cores (aserve/cores): each instance is a thin
 shell that runs its core's forward passes for the cost model's time on a simulated device
 and its KV moves over simulated links with their queues. The decisions are the cores'.
 """

@@ -1,5 +1,5 @@
 """The scheduling cores: one I/O-free state machine per kind of instance, driven by the
-asyncio engine (aserve/driver.py) and by the discrete-event simulator (sim/drivers.py) alike.
+asyncio engine (aserve/engine/actors.py) and by the discrete-event simulator (sim/drivers.py) alike.
 
 A core takes the current time as an argument and returns what must happen next: forward
 passes with their batch, KV moves with source, destination and blocks, lifecycle events.

@@ -34,7 +34,7 @@ def kv_stores(prefill_devices: Sequence[str], decode_devices: Sequence[str],
 # BlockLedger: the block tables of every KV store of one engine (or simulated cluster), by
 # store name, and the bookkeeping of a KV move (reserve, then commit or cancel).
 #
-# Integers only: the engine's KVSpace (aserve/driver.py) adds the tensors and the copies.
+# Integers only: the engine's KVSpace (aserve/engine/actors.py) adds the tensors and the copies.
 
 
 class BlockLedger:

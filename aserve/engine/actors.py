@@ -1,9 +1,9 @@
-"""The engine driver of the scheduling cores (aserve/cores.py): one asyncio actor per
+"""The engine driver of the scheduling cores (aserve/cores): one asyncio actor per
 instance carries out what its core asks for: forward passes in the device's worker thread,
 KV moves on copy threads (`KVSpace`), while the event loop serves HTTP meanwhile. The
 decisions are the cores'; the simulator (sim/drivers.py) drives the same cores.
 
-An actor is woken by the `Wiring` (aserve/cores.py) when its core's state changes, and its
+An actor is woken by the `Wiring` (aserve/cores) when its core's state changes, and its
 `run()` loop waits for that, never polls. The loop catches exceptions at its boundary: the
 sequences it was processing fail with `finish_reason="error"`, their blocks are freed, and
 the loop goes on.

@@ -1,4 +1,4 @@
-"""Engine: builds the actors (aserve/driver.py, the engine driver of aserve/cores.py),
+"""Engine: builds the actors (aserve/engine/actors.py, the engine driver of aserve/cores),
 admits requests, and streams their outputs. One request passes through these three files:
 admitted and streamed here, carried out by the driver's actors, decided by the cores.
 
@@ -57,7 +57,7 @@ class Engine:
         self.ctx: EngineContext | None = None
         self.tokenizer: Tokenizer
         self.is_running = False
-        # the start-up probe's timed decode steps (aserve/step_cost.py `probe`): instance
+        # the start-up probe's timed decode steps (aserve/engine/step_probe.py `probe`): instance
         # "probe", written first in the benchmark's iteration logs
         self.probe_iterations: list[IterationRecord] = []
 
@@ -104,8 +104,8 @@ class Engine:
                                            trace_limit=cfg.trace_limit),
                                  max_len)
         # the cost-aware policy's step model: the runner's own if it has one (a test's
-        # cost-model runner), else sim/cost.py's fitted to a start-up probe of the decode
-        # device (synthetic steps over chosen lengths and batch sizes, run whatever the
+        # cost-model runner), else scheduler/cost_model.py's fitted to a start-up probe of the
+        # decode device (synthetic steps over chosen lengths and batch sizes, run whatever the
         # policy: they are also every iteration log's calibration rows, as vLLM's profile
         # run is run whatever the workload), then to this engine's iteration records
         decode_runner = runners[cfg.decode_devices[0]]

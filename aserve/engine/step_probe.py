@@ -1,8 +1,8 @@
 """The engine's step-cost model, which the cost-aware policy (`aligned`) decides with.
 
-One model for both drivers: sim/cost.py's ``CostModel`` (weights, per-sequence overheads
+One model for both drivers: scheduler/cost_model.py's ``CostModel`` (weights, per-sequence overheads
 and the attention work of the backend: padded, per-sequence waves, split-K) of this
-engine's OPT geometry on its decode device, its constants fitted by sim/calibrate.py to a
+engine's OPT geometry on its decode device, its constants fitted by scheduler/calibrate.py to a
 short probe at start-up (synthetic decode steps of chosen lengths and batch sizes, ``probe``;
 run under every policy, as they are also the iteration logs' calibration rows), then
 refitted to the engine's own decode iteration records as they accumulate, where that fits
@@ -84,7 +84,7 @@ class EngineStepCost:
         return self.model.iteration_time(lengths)
 
     def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
-        """The step over ``lengths`` grown one seq at a time (scheduler/cost.py
+        """The step over ``lengths`` grown one seq at a time (scheduler/step_time.py
         ``growing_step``), on the model ``__call__`` would use."""
         if len(self.records) >= self.next_fit:
             self.refit()

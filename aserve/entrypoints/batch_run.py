@@ -1,6 +1,6 @@
 """BatchRun: the requests of one HTTP request (prompts times `n` samples) running in the
 engine, admitted in a fair share and merged into one stream of outputs; `admit` validates
-them first. Used by the handlers in aserve/server.py; no aiohttp here."""
+them first. Used by the handlers in aserve/entrypoints/server.py; no aiohttp here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The `aserve` command: `serve`, `generate`, `bench` and `sim`.
 
-Arguments and ASERVE_* variables are parsed in aserve/config.py; this file dispatches.
+Arguments and ASERVE_* variables are parsed in aserve/engine/config.py; this file dispatches.
 """
 
 from __future__ import annotations

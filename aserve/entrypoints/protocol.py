@@ -283,7 +283,7 @@ def openapi_document(title: str, version: str,
 
 
 class CompletionFormat:
-    """Choices in the completions shape (`ChatFormat` in aserve/chat.py is the chat one)."""
+    """Choices in the completions shape (`ChatFormat` in chat.py is the chat one)."""
 
     def body(self, cmpl_id: str, created: int, model: str, choices: list[Choice],
              usage: Usage) -> bytes:

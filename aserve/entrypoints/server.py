@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: aiohttp app factory, handlers, streaming, `serve()`.
 
-Handlers parse (aserve/protocol.py), submit to the engine, and stream or collect; they never
-touch tensors or block tables. Metrics live in aserve/metrics.py.
+Handlers parse (protocol.py), submit to the engine, and stream or collect; they never touch
+tensors or block tables. Metrics live in metrics.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The engine's step-cost model (aserve/step_cost.py): `aligned` gets sim/cost.py's model of
-the engine's geometry and attention backend, fitted to a start-up probe of synthetic decode
-steps; every engine probes at start-up, whatever its policy, and the benchmark writes the
-probe's steps into its iteration logs as calibration rows."""
+"""The engine's step-cost model (aserve/engine/step_probe.py): `aligned` gets
+scheduler/cost_model.py's model of the engine's geometry and attention backend, fitted to a
+start-up probe of synthetic decode steps; every engine probes at start-up, whatever its
+policy, and the benchmark writes the probe's steps into its iteration logs as calibration
+rows."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """CostRunner: a ModelRunner stand-in for the engine driver whose steps take the cost
-model's time (sim/cost.py) on a simulated device timeline and sample token 0. With a
+model's time (scheduler/cost_model.py) on a simulated device timeline and sample token 0. With a
 virtual-clock event loop it lets the engine run the simulator's workload, decision for
 decision, without a model."""
 

@@ -184,7 +184,7 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
     kinds = {k for _, k in engine_side[0]}
     assert "finish" in kinds
     # aligned (and its no-prefetch variant) keeps room for its running seqs' growth
-    # (scheduler/throughput.py's headroom), so in this workload only its headroom-off run evicts
+    # (scheduler/aligned.py's headroom), so in this workload only its headroom-off run evicts
     if policy not in ("aligned", "aligned-noprefetch") or headroom == 0:
         assert "evicted" in kinds
     if policy != "continuous":  # a batch switch mixed two batches

@@ -1,5 +1,5 @@
 """The cost-aware `aligned` grows the refilled batch's step one candidate at a time
-(scheduler/cost.py ``growing_step``, with the model's incremental form: what keeps a
+(scheduler/step_time.py ``growing_step``, with the model's incremental form: what keeps a
 decision cheap with a full batch and 10,000 pooled requests,
 and decides as its definition does: a candidate joins unless ``waste`` of the batch with
 it, recomputed whole, exceeds the batch's. The same plans, boundary after boundary."""
