@@ -293,7 +293,8 @@ def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namesp
 
 
 def _parser() -> argparse.ArgumentParser:
-    from aserve.engine.config import ATTENTION_BACKENDS, DTYPES, HELP_FORMATTER
+    from aserve.engine.config import ATTENTION_BACKENDS, DTYPES
+    from aserve.entrypoints.args import HELP_FORMATTER
 
     d = BenchSettings()
     p = argparse.ArgumentParser(prog="aserve bench", description=__doc__,

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from aserve.engine.config import HELP_FORMATTER, SchedulerConfig, spread_arg
+from aserve.engine.config import SchedulerConfig
+from aserve.entrypoints.args import HELP_FORMATTER, spread_arg
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, request_metrics
 from bench.report import (
     Caption,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aserve.engine.config import ATTENTION_BACKENDS, add_engine_args, engine_config_from_args
+from aserve.engine.config import ATTENTION_BACKENDS
 from aserve.entrypoints import cli
+from aserve.entrypoints.args import add_engine_args, engine_config_from_args
 from bench import bench_cli, peers
 from bench.harness import Sizing
 from models.loader import load_model
@@ -117,3 +118,37 @@ def test_checkpoint_without_tokenizer_files_is_a_clear_error(
     args = ["generate", "--model", str(bare), "--max-tokens", "3", "--ignore-eos", "Hi"]
     assert cli.main([*args, "--tokenizer", str(hub)]) == 0
     assert "[3 tokens, finish_reason=length]" in capsys.readouterr().err
+
+
+def test_every_engine_config_field_is_a_serve_option() -> None:
+    import msgspec
+
+    from aserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    dests = {a.dest for a in _parsers()["serve"]._actions}
+    fields = {f.name for s in (ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+              for f in msgspec.structs.fields(s)} - {"model", "cache", "scheduler"}
+    assert fields - dests == set(), fields - dests
+    assert "model" in dests  # ModelConfig.model, the weights
+
+
+def test_every_policy_knob_reaches_the_config_from_serve() -> None:
+    from scheduler import PolicyConfig
+
+    args = _parsers()["serve"].parse_args([
+        "--min-requests", "3", "--leaf-width", "32", "--starvation-threshold", "off",
+        "--match-slack", "0.5", "--max-spread", "2", "--drain-floor", "0.2",
+        "--batch-kv-fraction", "0.8", "--no-cuda-graphs"])
+    config = engine_config_from_args(args, {})
+    knobs = PolicyConfig.of(config.scheduler, max_len=1)
+    assert (knobs.min_requests, knobs.leaf_width, knobs.starvation_threshold,
+            knobs.match_slack, knobs.max_spread, knobs.drain_floor) == (3, 32, None, 0.5, 2.0,
+                                                                        0.2)
+    assert config.scheduler.batch_kv_fraction == 0.8 and config.model.cuda_graphs is False
+    env = {"ASERVE_STARVATION_THRESHOLD": "off", "ASERVE_MAX_SPREAD": "1.25",
+           "ASERVE_CUDA_GRAPHS": "0"}
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, env)
+    config = engine_config_from_args(parser.parse_args([]), env)
+    assert config.scheduler.starvation_threshold is None
+    assert config.scheduler.max_spread == 1.25 and config.model.cuda_graphs is False

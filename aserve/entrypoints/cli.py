@@ -1,6 +1,6 @@
 """The `aserve` command: `serve`, `generate`, `bench` and `sim`.
 
-Arguments and ASERVE_* variables are parsed in aserve/engine/config.py; this file dispatches.
+Arguments and ASERVE_* variables are parsed in args.py; this file dispatches.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import sys
 from collections.abc import Sequence
 
 from aserve import __version__
-from aserve.engine.config import (
+from aserve.engine.config import ServerConfig
+from aserve.engine.sequence import SamplingParams
+from aserve.entrypoints.args import (
     HELP_FORMATTER,
-    ServerConfig,
     add_engine_args,
     add_server_args,
     engine_config_from_args,
     environ,
     server_config_from_args,
 )
-from aserve.engine.sequence import SamplingParams
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

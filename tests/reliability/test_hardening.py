@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from aserve.engine.config import ServerConfig, add_server_args, server_config_from_args
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.args import add_server_args, server_config_from_args
 from aserve.entrypoints.guard import GUARD_CONFIG, is_allowed_host
 from aserve.entrypoints.server import create_app
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_engine_config

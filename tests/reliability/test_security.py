@@ -20,7 +20,8 @@ from aiohttp.test_utils import TestClient
 
 import aserve.entrypoints.server
 from aserve import Engine, SamplingParams
-from aserve.engine.config import ServerConfig, add_server_args, server_config_from_args
+from aserve.engine.config import ServerConfig
+from aserve.entrypoints.args import add_server_args, server_config_from_args
 from tests.aserve.conftest import API_KEY, AUTH, MODEL, server_client
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, write_hf_checkpoint
