@@ -15,7 +15,14 @@ from scheduler.continuous import (
 )
 from scheduler.dfs import anchored_search, density_first_search
 from scheduler.fcfs import FcfsPolicy
-from scheduler.policy import POLICIES, Policy, PolicyConfig, get_policy, register_policy
+from scheduler.policy import (
+    POLICIES,
+    Policy,
+    PolicyConfig,
+    PolicyKnobs,
+    get_policy,
+    register_policy,
+)
 from scheduler.quadtree import PooledRequest, QuadNode, QuadTree
 from scheduler.step_time import StepTime, mixing_pays, unit_step_time
 
@@ -34,6 +41,7 @@ __all__ = [
     "FcfsPolicy",
     "Policy",
     "PolicyConfig",
+    "PolicyKnobs",
     "PooledRequest",
     "QuadNode",
     "QuadTree",

@@ -12,6 +12,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import msgspec
+
 from scheduler.aligned_strict import AlignedStrictPolicy
 from scheduler.batching import (
     ADMIT_LOOKAHEAD,
@@ -59,7 +61,7 @@ class AlignedPolicy(AlignedStrictPolicy):
     uses_step_cost = True
 
     def __init__(self, config: PolicyConfig) -> None:
-        super().__init__(dataclasses.replace(config, max_spread=None))
+        super().__init__(msgspec.structs.replace(config, max_spread=None))
         self._slots = 1  # the device's batch slots, learned at the first boundary
         # the ideal per-token cost line (base, slope) and what it was probed for: the step
         # model, its version (``num_fits``: a driver may refit it) and the slots

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from scheduler.batching import (
     MAX_RETURNS,
     BoundaryPlan,
@@ -233,4 +235,4 @@ class AlignedLoosePolicy(AlignedStrictPolicy):
     name = "aligned-loose"
 
     def __init__(self, config: PolicyConfig) -> None:
-        super().__init__(dataclasses.replace(config, max_spread=None))
+        super().__init__(msgspec.structs.replace(config, max_spread=None))

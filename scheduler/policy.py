@@ -6,25 +6,24 @@ iteration boundary. Pure: time is passed in, nothing here reads a clock or does 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
+
+import msgspec
 
 from scheduler.batching import BoundaryPlan, BoundaryView, SeqView
 from scheduler.step_time import StepTime, unit_step_time
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """Knobs shared by the built-in policies: their one declaration (the engine's
-    SchedulerConfig takes its defaults from here, and is validated here)."""
+class PolicyKnobs(msgspec.Struct, frozen=True, kw_only=True):
+    """The knobs of the built-in policies: their one declaration, defaults and validation.
+    The engine's SchedulerConfig (and through it the simulator's cluster and the CLI's
+    options) inherits them."""
 
     min_requests: int = 8  # DFS: smallest batch that saturates the device (requests)
     leaf_width: int = 16  # quad-tree leaf range (tokens)
-    max_len: int = 65536  # quad-tree range (tokens)
     starvation_threshold: float | None = 30.0  # seconds; None switches starvation control off
     match_slack: float = 0.25  # dynamic prefetch window widening (fraction of length)
     max_spread: float | None = 1.5  # aligned-strict: every admission keeps the running
@@ -32,16 +31,8 @@ class PolicyConfig:
     drain_floor: float = 0.1  # aligned, aligned-strict: a switch waits for the old batch to
     # drain down to this share of max_batch_size, then returns those left to the pool
 
-    @classmethod
-    def of(cls, knobs: object, max_len: int) -> PolicyConfig:
-        """The policy knobs a config carries (the engine's SchedulerConfig, which the
-        simulator's ClusterConfig holds too), read by name: one construction, one
-        validation."""
-        names = (f.name for f in dataclasses.fields(cls) if f.name != "max_len")
-        return cls(max_len=max_len, **{n: getattr(knobs, n) for n in names if hasattr(knobs, n)})
-
     def __post_init__(self) -> None:
-        for name in ("min_requests", "leaf_width", "max_len"):
+        for name in ("min_requests", "leaf_width"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} ({value}) must be >= 1")
@@ -54,6 +45,24 @@ class PolicyConfig:
             raise ValueError(f"max_spread ({self.max_spread}) must be >= 1 or None")
         if not 0 <= self.drain_floor <= 1:
             raise ValueError(f"drain_floor ({self.drain_floor}) must be in [0, 1]")
+
+
+class PolicyConfig(PolicyKnobs, frozen=True, kw_only=True):
+    """What a policy is built with: the knobs, and the quad-tree's range of lengths."""
+
+    max_len: int = 65536  # quad-tree range (tokens)
+
+    @classmethod
+    def of(cls, knobs: PolicyKnobs, max_len: int) -> PolicyConfig:
+        """The policy knobs a config carries (the engine's SchedulerConfig, which the
+        simulator's ClusterConfig holds too), with the tree's range."""
+        names = (f.name for f in msgspec.structs.fields(PolicyKnobs))
+        return cls(max_len=max_len, **{n: getattr(knobs, n) for n in names})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_len < 1:
+            raise ValueError(f"max_len ({self.max_len}) must be >= 1")
 
 
 class Policy(ABC):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from models.backends import BACKEND_NAMES as ATTENTION_BACKENDS
-from scheduler import PolicyConfig
+from scheduler import PolicyKnobs
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -66,33 +66,25 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
         return int(self.host_pool_gb * 2**30)
 
 
-_KNOBS = PolicyConfig()  # the policy knobs' defaults
-
-
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Which policy runs, its budgets, and the policy's knobs. The knobs (from
-    `min_requests` on) are declared in `scheduler.PolicyConfig`: their meaning, defaults
-    and validation live there, once."""
+class SchedulerConfig(PolicyKnobs, frozen=True, kw_only=True):
+    """Which policy runs, its budgets, and the policy's knobs. The knobs (`min_requests`,
+    `leaf_width`, `starvation_threshold`, `match_slack`, `max_spread`, `drain_floor`) are
+    inherited from `scheduler.PolicyKnobs`: their meaning, defaults and validation live
+    there, once."""
 
     policy: str = "aligned"  # aligned | aligned-loose | aligned-noprefetch | fcfs | continuous
     max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
     max_batch_size: int = 256  # most sequences in one decode iteration
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
     max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
-    min_requests: int = _KNOBS.min_requests
-    leaf_width: int = _KNOBS.leaf_width
-    starvation_threshold: float | None = _KNOBS.starvation_threshold
-    match_slack: float = _KNOBS.match_slack
-    max_spread: float | None = _KNOBS.max_spread
-    drain_floor: float = _KNOBS.drain_floor
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the knobs
         for name in ("max_prefill_tokens", "max_batch_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
         if not 0 < self.batch_kv_fraction <= 1:
             raise ValueError(f"batch_kv_fraction ({self.batch_kv_fraction}) must be in (0, 1]")
-        PolicyConfig.of(self, max_len=1)  # validates the knobs (the tree range comes later)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -113,8 +113,14 @@ def engine_fields() -> dict[str, tuple[object, str]]:
             if info.name in ("model", "cache", "scheduler") and struct is EngineConfig:
                 continue  # the areas themselves
             if info.name not in DEVICE_FIELDS:
-                fields[info.name] = (info.default, str(struct.__annotations__[info.name]))
+                fields[info.name] = (info.default, _annotation(struct, info.name))
     return fields
+
+
+def _annotation(struct: type, name: str) -> str:
+    """The annotation of field `name` as written, inherited fields included."""
+    return next(str(klass.__annotations__[name]) for klass in struct.__mro__
+                if name in getattr(klass, "__annotations__", {}))
 
 
 def _type_of(default: object, annotation: str) -> Callable[[str], object] | None:

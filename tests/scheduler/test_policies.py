@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import pytest
 
@@ -81,7 +80,7 @@ def test_research_user_registers_a_policy_without_the_engine() -> None:
                                               ("match_slack", -0.1), ("max_spread", 0.9)])
 def test_bad_config_names_the_field_and_value(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=rf"{field} \({value}\)"):
-        replace(PolicyConfig(), **{field: value})  # type: ignore[arg-type]
+        PolicyConfig(**{field: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["aligned", "fcfs"])
