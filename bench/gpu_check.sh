@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check (issue 7), under 8 minutes on one H200: the gpu-marked tests, then
+# One-command GPU check, under 8 minutes on one H200: the gpu-marked tests, then
 # opt-1.3b / opt-2.7b fp16 timings (attention backends on uniform vs skewed batches, decode
 # steps vs the memory-bandwidth floor, aligned vs fcfs vs continuous engine runs). Writes
 # gpu_check.json and gpu_check.md into $OUT, or into the directory given as the last argument.
