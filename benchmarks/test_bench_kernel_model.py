@@ -32,7 +32,8 @@ def _mean_ms(model: CostModel, prompts: list[int], every: int = 10) -> float:
 
 def test_kernel_model_figures() -> None:
     h100 = get_hardware("h100")
-    lines = ["# Per-seq kernel model: measured kernel figures and the paper's motivation (predictions)\n"]
+    lines = ["# Per-seq kernel model: measured kernel figures and the paper's motivation "
+             "(predictions)\n"]
     models = {k: CostModel(get_geometry("opt-13b"), h100, kernel=k) for k in KERNELS}  # type: ignore[arg-type]
     rng = random.Random(0)
     uniform = [rng.randint(39, 4096) for _ in range(256)]
