@@ -445,13 +445,13 @@ class Lifecycle:
     """Events, iteration records, each request's output stream, and finishing."""
 
     def __init__(self, kv: BlockLedger, eos_token_id: int, record_tokens: bool = True,
-                 trace_limit: int = 1_000_000) -> None:
+                 trace_limit: int | None = None) -> None:
         self.kv = kv  # frees a finished seq's blocks
         self.eos_token_id = eos_token_id
         self.events: list[Event] = []
         self.iterations: list[IterationRecord] = []  # decode instances (and continuous)
         self.prefill_iterations: list[IterationRecord] = []  # prefill instances' steps
-        self.trace_limit = trace_limit  # most events (and iterations) kept; older half dropped
+        self.trace_limit = trace_limit  # most events (and iterations) kept; None: all
         self.num_dropped_iterations = 0  # absolute index of iterations[0]
         self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
@@ -463,7 +463,7 @@ class Lifecycle:
         """Appends `item`; past `trace_limit` the older half is dropped (a long-running
         server must not grow forever). Returns how many were dropped."""
         trace.append(item)
-        if len(trace) <= self.trace_limit:
+        if self.trace_limit is None or len(trace) <= self.trace_limit:
             return 0
         half = self.trace_limit // 2
         del trace[:half]
