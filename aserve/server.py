@@ -231,7 +231,11 @@ async def _serve(request: web.Request, req: CompletionRequest, cmpl_id: str,
     budget, client = app[BUDGET], request.remote or "unknown"
     num_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for g in groups for r in g)
     if budget is not None:
-        budget.take(client, num_tokens)
+        try:
+            budget.take(client, num_tokens)
+        except RequestError:
+            app[METRICS].client_refusals.inc()
+            raise
     run = BatchRun(app[ENGINE], groups, app[METRICS])
     app[RUNS].add(run)
     try:

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import socket
 import string
 import subprocess
 import sys
@@ -168,13 +169,28 @@ async def _client(session: aiohttp.ClientSession, url: str, model: str, c: Clien
         result.statuses[f"client error: {type(exc).__name__}"] += 1  # type: ignore[index]
 
 
+def request_bytes(body: dict[str, object], path: str = "/v1/completions") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+
+
+def never_reading(port: int, body: dict[str, object], source: str = "127.0.0.1") -> socket.socket:
+    """A client (from loopback address `source`) that sends a request and never reads, with
+    a small receive buffer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request_bytes(body))
+    return sock
+
+
 async def _send_and_close(url: str, body: dict[str, object]) -> None:
     """Sends a request on a raw socket and closes it at once (before any answer)."""
     host, port = url.removeprefix("http://").split(":")
-    data = json.dumps(body).encode()
     _, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n%s" % (host.encode(), len(data), data))
+    writer.write(request_bytes(body))
     await writer.drain()
     writer.close()
 

@@ -7,9 +7,7 @@ and is counted by kind; a held event loop is logged with what held it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import socket
 import time
 from collections.abc import Iterator
 
@@ -22,6 +20,7 @@ from aserve.loop_watch import LoopWatch
 from aserve.server import ENGINE, create_app
 from tests.aserve.conftest import parse_metrics, server_engine_config
 from tests.aserve.test_engine import settle
+from tests.reliability.churn import never_reading, request_bytes
 from tests.reliability.conftest import GuardedLiveServer
 
 WRITE_TIMEOUT = 1.0  # seconds
@@ -37,21 +36,6 @@ def server() -> Iterator[GuardedLiveServer]:
         yield srv
     finally:
         srv.stop()
-
-
-def request_bytes(body: dict[str, object], path: str = "/v1/completions") -> bytes:
-    data = json.dumps(body).encode()
-    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
-
-
-def never_reading(port: int, body: dict[str, object]) -> socket.socket:
-    """A client that sends a request and never reads (a small receive buffer)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(request_bytes(body))
-    return sock
 
 
 async def metrics(url: str) -> dict[str, float]:
