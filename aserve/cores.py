@@ -148,9 +148,9 @@ class Core:
         self.life.fail_all([move.seq], error, now)
 
     def fail(self, error: str, now: float) -> None:
-        """The forward pass failed: the running batch ends with an error."""
-        self.life.fail_all(self.running, error, now)
-        self.running = []
+        """The forward pass failed: the running batch runs it again, each seq once
+        (`Lifecycle.retry_once`); a seq failing twice ends with an error."""
+        self.running = self.life.retry_once(self.running, error, now)
 
     def _advance(self, step: Forward, token_ids: list[int | None],
                  logprobs: list[float | None], now: float) -> list[Move]:
@@ -458,6 +458,7 @@ class Lifecycle:
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
         self.on_finish: Callable[[Sequence], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
+        self.retried: set[str] = set()  # seqs whose forward failed once (`retry_once`)
 
     def _keep(self, trace: list[Any], item: object) -> int:
         """Appends `item`; past `trace_limit` the older half is dropped (a long-running
@@ -532,6 +533,7 @@ class Lifecycle:
         assert status.is_finished, f"{status!r} is not a finished state"
         if release:
             self.kv.release(seq)
+        self.retried.discard(seq.seq_id)
         if seq.is_finished:
             return
         seq.status, seq.error = status, error
@@ -555,6 +557,19 @@ class Lifecycle:
             logger.exception("allocating KV for %s failed", seq.seq_id)
             self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
             return None
+
+    def retry_once(self, seqs: Iterable[Sequence], error: str, at: float) -> list[Sequence]:
+        """The seqs of a failed forward pass: a seq's first such failure keeps it (its KV
+        up to its computed tokens is intact, and the step computes the rest again); its
+        second ends it with `error`. Returns the seqs kept."""
+        kept = []
+        for seq in seqs:
+            if seq.seq_id in self.retried:
+                self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
+            elif not seq.is_finished:
+                self.retried.add(seq.seq_id)
+                kept.append(seq)
+        return kept
 
     def fail_all(self, seqs: Iterable[Sequence], error: str, at: float) -> None:
         """Ends each of `seqs` with `error` (a failed forward, copy or store)."""
