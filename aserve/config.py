@@ -169,7 +169,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKey
     seed: int = 0  # seeds the RNG that sampled requests without their own seed draw from
     # lifecycle events and iteration records kept, each (past it the older half is dropped,
     # so a long-running server's memory stays bounded); None keeps the full log
-    trace_limit: int | None = 65_536
+    trace_limit: int | None = 8192
     num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
 
     def __post_init__(self) -> None:

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 BEAT_S = 0.02  # seconds between heartbeats (the lag's resolution)
 THRESHOLD_S = 0.25  # a loop iteration longer than this is logged
 STACK_FRAMES = 8  # innermost frames logged of what held the loop
+LOOP_FILES = ("asyncio/runners.py", "asyncio/base_events.py", "selectors.py")
+IN_THE_LOOP = ("  (no Python callback was running: the loop waited for the CPU or for the GIL, "
+               "which a worker thread held)\n")
 
 
 class LoopWatch:
@@ -78,5 +81,8 @@ class LoopWatch:
             if time.monotonic() - last > self.beat + self.threshold and taken_for != last:
                 frame = sys._current_frames().get(loop_thread)
                 if frame is not None:
-                    self._stack = "".join(traceback.format_stack(frame)[-STACK_FRAMES:])
+                    stack = traceback.extract_stack(frame)
+                    self._stack = "".join(traceback.format_list(stack[-STACK_FRAMES:]))
+                    if stack[-1].filename.endswith(LOOP_FILES):  # in the loop's own code
+                        self._stack += IN_THE_LOOP
                     taken_for = last

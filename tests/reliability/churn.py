@@ -32,6 +32,7 @@ HEALTH_EVERY_S = 0.5
 HEALTH_TIMEOUT_S = 5.0  # a probe slower than 1 s fails the soak; this only ends the wait
 SETTLE_S = 600.0  # most seconds the server may take to finish what is left at the end
 READY_S = 300.0  # most seconds `aserve serve` may take to listen
+MAX_CLIENT_CONNECTIONS = 256
 ALPHABET = string.ascii_letters + string.digits + "     .,"
 
 
@@ -232,7 +233,9 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
     """Warms the server up with `warmup` (resident memory is measured after it), then runs
     `clients`, lets the server settle, and collects what a soak asserts."""
     result = ChurnResult()
-    connector = aiohttp.TCPConnector(limit=0)
+    # NOTE: a pool below the server's connection cap (512 by default), as a client library
+    # keeps: arrivals the server cannot keep up with wait here instead of being refused
+    connector = aiohttp.TCPConnector(limit=MAX_CLIENT_CONNECTIONS)
     timeout = aiohttp.ClientTimeout(total=SETTLE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await server.ready()
