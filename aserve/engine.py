@@ -280,7 +280,7 @@ class Engine:
                 # of the history, instead of one copy per token
                 out = await queue.get()
                 detok.feed(out.new_token_ids)
-                while not out.finished and not queue.empty():
+                while not (out.finished or detok.stopped or queue.empty()):
                     out = queue.get_nowait()
                     detok.feed(out.new_token_ids)
                 finished = out.finished

@@ -21,7 +21,7 @@ from aserve.server import ENGINE, create_app
 from tests.aserve.conftest import parse_metrics, server_engine_config
 from tests.aserve.test_engine import settle
 from tests.reliability.churn import never_reading, request_bytes
-from tests.reliability.conftest import GuardedLiveServer
+from tests.reliability.conftest import GuardedLiveServer, wait_for_event
 
 WRITE_TIMEOUT = 1.0  # seconds
 MAX_CONNECTIONS = 2
@@ -170,3 +170,18 @@ async def test_a_held_event_loop_is_logged_with_what_held_it(
     assert max(lags) > 0.3 and watch.num_stalls == 1
     [record] = [r for r in caplog.records if r.name == "aserve.loop_watch"]
     assert record.levelno == logging.WARNING and "hold_the_loop" in record.getMessage()
+
+
+async def test_steps_a_consumer_did_not_take_come_as_one_output() -> None:
+    """The engine's side of back-pressure: outputs are coalesced while nobody takes them."""
+    from aserve import Engine, SamplingParams
+    from tests.conftest import make_config
+
+    async with Engine(make_config()) as engine:
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True),
+                                 "lagging")
+        first = await stream.__anext__()
+        await wait_for_event(engine, "lagging", "finish")  # every step ran meanwhile
+        rest = [out async for out in stream]
+    assert len(first.token_ids) < 40 and len(rest) == 1
+    assert rest[0].finished and len(rest[0].token_ids) == 40
