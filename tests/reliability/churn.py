@@ -64,6 +64,16 @@ def churn_mix(num: int, rate: float, seed: int, max_tokens: int = 512) -> list[C
     return clients
 
 
+def kv_high_water(num: int, seed: int, max_tokens: int = 512) -> list[Client]:
+    """`num` clients at once, each with a 2,000-character prompt and `max_tokens` to read
+    in full: they take the KV stores to about the high-water mark `num` concurrent requests
+    can reach. KV tensors are allocated untouched and fault in as blocks are first used,
+    so a soak warms up with these before it takes the resident memory it compares with."""
+    rng = random.Random(seed)
+    return [Client(0.0, "".join(rng.choices(ALPHABET, k=2000)), max_tokens, True, 1, False,
+                   None, False) for _ in range(num)]
+
+
 @dataclass
 class ChurnResult:
     statuses: Counter[int] = field(default_factory=Counter)  # HTTP statuses of the answers

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.churn import ChurnResult, ServerProcess, churn_mix, run_churn
+from tests.reliability.churn import (
+    MAX_CLIENT_CONNECTIONS,
+    ChurnResult,
+    ServerProcess,
+    churn_mix,
+    kv_high_water,
+    run_churn,
+)
 
 MAX_RSS_GROWTH = 0.10
 MAX_HEALTH_S = 1.0
@@ -33,28 +40,31 @@ def check(result: ChurnResult) -> None:
 
 
 def soak(tmp_path: Path, model: str, share: bool, num: int, rate: float, max_tokens: int,
-         seed: int) -> ChurnResult:
+         seed: int, concurrency: int) -> ChurnResult:
     args = ["--model", model, "--max-model-len", "4096",
             "--share-kv-memory" if share else "--no-share-kv-memory"]
     server = ServerProcess(args, tmp_path / "server.log")
     try:
-        warmup = churn_mix(max(20, num // 10), rate, seed + 1, max_tokens)
+        # up to the KV's high-water mark (`kv_high_water`), then the mix at its rate
+        warmup = (kv_high_water(concurrency, seed + 1, max_tokens)
+                  + churn_mix(num // 10, rate, seed + 2, max_tokens))
         return asyncio.run(run_churn(server, model, churn_mix(num, rate, seed, max_tokens),
                                      warmup))
     finally:
         assert server.stop() == 0
 
 
+# opt-125m runs about a tenth as fast as opt-tiny on a small CPU: its soak asks for fewer
+# tokens per request at a lower rate, so that the server keeps up with it
+SOAKS = {"opt-tiny": dict(num=2000, rate=6.5, max_tokens=512,
+                          concurrency=MAX_CLIENT_CONNECTIONS),
+         "opt-125m": dict(num=600, rate=2.0, max_tokens=48, concurrency=64)}
+SHORT = {"opt-tiny": dict(num=160, rate=4.0, max_tokens=512, concurrency=32),
+         "opt-125m": dict(num=120, rate=3.0, max_tokens=32, concurrency=16)}
+
+
 def test_short_churn_on_opt_tiny(tmp_path: Path) -> None:
-    check(soak(tmp_path, "opt-tiny", True, num=160, rate=4.0, max_tokens=512, seed=0))
-
-
-# opt-125m runs about a tenth as fast as opt-tiny on a small CPU: its soaks ask for fewer
-# tokens per request at a lower rate, so that the server keeps up with them
-SOAKS = {"opt-tiny": dict(num=2000, rate=6.5, max_tokens=512),
-         "opt-125m": dict(num=2000, rate=6.5, max_tokens=48)}
-SHORT = {"opt-tiny": dict(num=160, rate=4.0, max_tokens=512),
-         "opt-125m": dict(num=120, rate=3.0, max_tokens=32)}
+    check(soak(tmp_path, "opt-tiny", True, seed=0, **SHORT["opt-tiny"]))  # type: ignore[arg-type]
 
 
 @pytest.mark.soak
