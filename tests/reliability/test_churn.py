@@ -64,7 +64,7 @@ def soak(tmp_path: Path, model: str, share: bool, num: int, rate: float, max_tok
 SOAKS = {"opt-tiny": dict(num=2000, rate=6.5, max_tokens=512,
                           concurrency=MAX_CLIENT_CONNECTIONS),
          "opt-125m": dict(num=600, rate=2.0, max_tokens=48, concurrency=64)}
-SHORT = {"opt-tiny": dict(num=100, rate=4.0, max_tokens=512),
+SHORT = {"opt-tiny": dict(num=60, rate=4.0, max_tokens=512),
          "opt-125m": dict(num=60, rate=2.0, max_tokens=32)}
 
 
