@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.churn import (
-    MAX_CLIENT_CONNECTIONS,
     ChurnResult,
     ServerProcess,
     churn_mix,
@@ -62,7 +61,7 @@ def soak(tmp_path: Path, model: str, share: bool, num: int, rate: float, max_tok
 # opt-125m runs about a tenth as fast as opt-tiny on a small CPU: its soak asks for fewer
 # tokens per request at a lower rate, so that the server keeps up with it
 SOAKS = {"opt-tiny": dict(num=2000, rate=6.5, max_tokens=512,
-                          concurrency=MAX_CLIENT_CONNECTIONS),
+                          concurrency=64),
          "opt-125m": dict(num=600, rate=2.0, max_tokens=48, concurrency=64)}
 SHORT = {"opt-tiny": dict(num=60, rate=4.0, max_tokens=512),
          "opt-125m": dict(num=60, rate=2.0, max_tokens=32)}
