@@ -158,7 +158,7 @@ def engine_config(name: str, sizing: Sizing, settings: BenchSettings) -> EngineC
     return EngineConfig.create(model=settings.model, dtype=settings.dtype,
                                weights_seed=settings.seed, policy=policy,
                                attention=attention, share_kv_memory=settings.share_kv_memory,
-                               **sizing.options())
+                               trace_limit=None, **sizing.options())  # the full log
 
 
 def build_workloads(args: argparse.Namespace, max_len: int) -> list[Workload]:

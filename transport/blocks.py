@@ -103,6 +103,12 @@ class BlockAllocator:
         return self._num_blocks
 
     @property
+    def block_ids(self) -> range:
+        """The ids this store's tables may hold: every id of its pool. A shared pool's ids
+        are anywhere in it; the quota bounds how many a store holds, not which."""
+        return range(PAD_BLOCK_ID + 1, self.pool.num_blocks + 1)
+
+    @property
     def num_free(self) -> int:
         """Blocks not in any table nor reserved (within this store's quota)."""
         return self._num_blocks - self._num_used

@@ -256,8 +256,9 @@ def _normalize(device: torch.device) -> torch.device:
 
 
 def _check_ids(field_name: str, block_ids: list[int], store: KVStore) -> None:
-    if block_ids and not (1 <= min(block_ids) and max(block_ids) <= store.num_blocks):
+    valid = store.allocator.block_ids  # the allocator says which ids the store may hold
+    if block_ids and not (valid.start <= min(block_ids) and max(block_ids) < valid.stop):
         raise ValueError(
-            f"{field_name} of {store.name!r} must lie in 1..{store.num_blocks}, got "
+            f"{field_name} of {store.name!r} must lie in {valid.start}..{valid.stop - 1}, got "
             f"{min(block_ids)}..{max(block_ids)}"
         )

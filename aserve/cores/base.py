@@ -144,9 +144,9 @@ class Core:
         self.life.fail_all([move.seq], error, now)
 
     def fail(self, error: str, now: float) -> None:
-        """The forward pass failed: the running batch ends with an error."""
-        self.life.fail_all(self.running, error, now)
-        self.running = []
+        """The forward pass failed: the running batch runs it again, each seq once
+        (`Lifecycle.retry_once`); a seq failing twice ends with an error."""
+        self.running = self.life.retry_once(self.running, error, now)
 
     def _advance(self, step: Forward, token_ids: list[int | None],
                  logprobs: list[float | None], now: float) -> list[Move]:

@@ -34,25 +34,26 @@ class Lifecycle:
     """Events, iteration records, each request's output stream, and finishing."""
 
     def __init__(self, kv: BlockLedger, eos_token_id: int, record_tokens: bool = True,
-                 trace_limit: int = 1_000_000) -> None:
+                 trace_limit: int | None = None) -> None:
         self.kv = kv  # frees a finished seq's blocks
         self.eos_token_id = eos_token_id
         self.events: list[Event] = []
         self.iterations: list[IterationRecord] = []  # decode instances (and continuous)
         self.prefill_iterations: list[IterationRecord] = []  # prefill instances' steps
-        self.trace_limit = trace_limit  # most events (and iterations) kept; older half dropped
+        self.trace_limit = trace_limit  # most events (and iterations) kept; None: all
         self.num_dropped_iterations = 0  # absolute index of iterations[0]
         self.queues: dict[str, Any] = {}  # seq_id -> a queue with put_nowait (the engine's)
         self.record_tokens = record_tokens  # one "token" event per token (for TPOT)
         self.finish_requests: dict[str, SeqStatus] = {}  # seq_id -> status asked from outside
         self.on_finish: Callable[[SeqState], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
+        self.retried: set[str] = set()  # seqs whose forward failed once (`retry_once`)
 
     def _keep(self, trace: list[Any], item: object) -> int:
         """Appends `item`; past `trace_limit` the older half is dropped (a long-running
         server must not grow forever). Returns how many were dropped."""
         trace.append(item)
-        if len(trace) <= self.trace_limit:
+        if self.trace_limit is None or len(trace) <= self.trace_limit:
             return 0
         half = self.trace_limit // 2
         del trace[:half]
@@ -128,6 +129,7 @@ class Lifecycle:
         assert status.is_finished, f"{status!r} is not a finished state"
         if release:
             self.kv.release(seq)
+        self.retried.discard(seq.seq_id)
         if seq.is_finished:
             return
         self.transition(seq, status)
@@ -152,6 +154,19 @@ class Lifecycle:
             logger.exception("allocating KV for %s failed", seq.seq_id)
             self.fail_all([seq], f"{type(exc).__name__}: {exc}", at)
             return None
+
+    def retry_once(self, seqs: Iterable[SeqState], error: str, at: float) -> list[SeqState]:
+        """The seqs of a failed forward pass: a seq's first such failure keeps it (its KV
+        up to its computed tokens is intact, and the step computes the rest again); its
+        second ends it with `error`. Returns the seqs kept."""
+        kept = []
+        for seq in seqs:
+            if seq.seq_id in self.retried:
+                self.finish(seq, SeqStatus.FINISHED_ERROR, error, at=at)
+            elif not seq.is_finished:
+                self.retried.add(seq.seq_id)
+                kept.append(seq)
+        return kept
 
     def fail_all(self, seqs: Iterable[SeqState], error: str, at: float) -> None:
         """Ends each of `seqs` with `error` (a failed forward, copy or store)."""

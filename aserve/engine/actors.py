@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from transport.copy import Copier
 from transport.kv import KVGeometry, KVStore, stores_for
 
 logger = logging.getLogger(__name__)
+# seconds an actor that caught an error and had nothing more to do stays failing (/health
+# answers 503): long enough for a probe to see it; a step that goes through ends it sooner
+ERROR_HOLD_S = 10.0
 
 
 class Runner(Protocol):
@@ -70,6 +74,8 @@ class Actor:
         self.ctx, self.core, self.name = ctx, core, core.name
         self.last_error: str | None = None
         self.num_errors = 0
+        self.errors_by_kind: Counter[str] = Counter()  # exception type -> errors caught
+        self.error_time: float | None = None  # the last error not yet followed by a success
         self._woken = asyncio.Event()
         self._stopping = False
         self._decided = 0.0  # seconds of decisions since the last forward (schedule_time)
@@ -123,10 +129,26 @@ class Actor:
             return
         for move in work:
             await self.carry_out(move)
+        self._went_through(start)
+
+    def _went_through(self, start: float) -> None:
+        """A step or copy begun at `start` succeeded: an error caught before it is over."""
+        if self.error_time is not None and self.error_time < start:
+            self.error_time = None
+
+    def is_failing(self, now: float, last_served: float) -> bool:
+        """Whether an error caught at the boundary has been followed neither by a step of
+        its own that went through nor by a request completing (at `last_served`); an actor
+        left idle after it counts as recovered after ERROR_HOLD_S."""
+        error_time = self.error_time
+        return (error_time is not None and error_time > last_served
+                and now - error_time < ERROR_HOLD_S)
 
     def record_error(self, exc: BaseException) -> str:
         """Logs an exception caught at the actor's boundary and returns its message."""
         self.num_errors += 1
+        self.errors_by_kind[type(exc).__name__] += 1
+        self.error_time = self.ctx.clock()
         self.last_error = f"{type(exc).__name__}: {exc}"
         logger.error("%s failed: %s", self.name, self.last_error, exc_info=exc)
         return self.last_error
@@ -141,12 +163,14 @@ class Actor:
         """Copies one KV move, tells the core it `landed` (or `failed`), and wakes the actor:
         the batcher's core may order the next copy (an actor awaiting its copies in `act`
         steps again anyway)."""
+        start = self.ctx.clock()
         try:
             await self.ctx.kv.copy(move, self.ctx.clock)
         except Exception as exc:
             self.core.failed(move, self.record_error(exc), self.ctx.clock())
         else:
             self.core.landed(move, self.ctx.clock())
+            self._went_through(start)
         self.wake()
 
 

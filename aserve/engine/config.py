@@ -56,6 +56,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("block_size", "num_decode_blocks", "num_prefill_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.max_client_tokens < 0:
+            raise ValueError(f"max_client_tokens ({self.max_client_tokens}) must be >= 0")
         if self.num_staging_blocks < 0:
             raise ValueError(f"num_staging_blocks ({self.num_staging_blocks}) must be >= 0")
         if self.host_pool_gb <= 0:
@@ -105,6 +107,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 512  # open connections; past it a connection gets a 503 and closes
     max_request_prompts: int = 4096  # prompts in one request (400 past it)
     max_request_tokens: int = 1 << 20  # sum over a request's prompts of prompt + max_tokens
+    # seconds a stream's write may wait for its client to read; then the stream is aborted
+    # and its KV freed
+    write_timeout: float = 30.0
+    # tokens (prompt + max_tokens, over every sample) one client address may have in flight;
+    # past it 429 (a client with nothing in flight is always let in). 0: no budget
+    max_client_tokens: int = 0
     health_details: bool = False  # /health names actors and errors to anyone (else: key only)
     chat_template: str | None = None  # a Jinja file or built-in name; None: the checkpoint's
 
@@ -113,7 +121,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be >= 1024")
-        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout", "write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be > 0 seconds")
         for name in ("max_connections", "max_request_prompts", "max_request_tokens"):
@@ -146,11 +154,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKey
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
     seed: int = 0  # seeds the RNG that sampled requests without their own seed draw from
-    trace_limit: int = 1_000_000  # lifecycle events / iteration records kept (oldest dropped)
+    # lifecycle events and iteration records kept, each (past it the older half is dropped,
+    # so a long-running server's memory stays bounded); None keeps the full log
+    trace_limit: int | None = 8192
     num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
 
     def __post_init__(self) -> None:
-        if self.trace_limit < 2:
+        if self.trace_limit is not None and self.trace_limit < 2:
             raise ValueError(f"trace_limit ({self.trace_limit}) must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads ({self.num_threads}) must be >= 1 or None")

@@ -54,6 +54,7 @@ class Engine:
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._live: dict[str, SeqState] = {}
+        self._last_served = float("-inf")  # when a request last completed (`health`)
         self.ctx: EngineContext | None = None
         self.tokenizer: Tokenizer
         self.is_running = False
@@ -274,8 +275,14 @@ class Engine:
         finished = False
         try:
             while not finished:
+                # NOTE: every step's tokens queued meanwhile go into one output: a consumer
+                # that lags (a client not reading) gets fewer, larger outputs, each a copy
+                # of the history, instead of one copy per token
                 out = await queue.get()
                 detok.feed(out.new_token_ids)
+                while not (out.finished or detok.stopped or queue.empty()):
+                    out = queue.get_nowait()
+                    detok.feed(out.new_token_ids)
                 finished = out.finished
                 if detok.stopped and not finished:
                     self.finish_request(seq.seq_id, SeqStatus.FINISHED_STOPPED)
@@ -293,6 +300,8 @@ class Engine:
 
     def _on_finish(self, seq: SeqState) -> None:
         self._live.pop(seq.seq_id, None)
+        if seq.status in (SeqStatus.FINISHED_STOPPED, SeqStatus.FINISHED_LENGTH):
+            self._last_served = self._context.clock()  # the engine serves: errors before are over
 
     async def complete(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestOutput:
@@ -316,12 +325,22 @@ class Engine:
 
     # -- observability ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        """Whether every actor's loop is alive, and the last error each one caught."""
+        """Whether every actor's loop is alive and none is failing, and the last error each
+        one caught. An actor fails from an error caught at its boundary until one of its
+        steps goes through, a request completes, or it has been idle for ERROR_HOLD_S
+        (`Actor.is_failing`)."""
         tasks = {t.get_name(): t for t in self._tasks}
-        actors = {a.name: {"alive": not tasks[a.name].done(), "errors": a.num_errors,
-                           "last_error": a.last_error} for a in self.actors}
-        return {"healthy": self.is_running and all(a["alive"] for a in actors.values()),
-                "actors": actors}
+        now = self._context.clock()
+        actors = {a.name: {"alive": not tasks[a.name].done(),
+                           "failing": a.is_failing(now, self._last_served),
+                           "errors": a.num_errors, "last_error": a.last_error}
+                  for a in self.actors}
+        healthy = all(a["alive"] and not a["failing"] for a in actors.values())
+        return {"healthy": self.is_running and healthy, "actors": actors}
+
+    def error_counts(self) -> dict[tuple[str, str], int]:
+        """Errors caught at the actors' boundaries so far, by (actor, exception type)."""
+        return {(a.name, kind): n for a in self.actors for kind, n in a.errors_by_kind.items()}
 
     def stats(self) -> dict[str, Any]:
         ctx = self._context

@@ -21,6 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -34,7 +35,11 @@ from scheduler.cost_model import CostModel, GrowingDecodeStep, ModelGeometry, ke
 from scheduler.hardware import HARDWARE, get_hardware
 
 FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
-REFIT_GROWTH = 4  # then refitted each time the records have grown this many times
+REFIT_GROWTH = 4  # then refitted each time the records have grown this many times...
+# ...up to this many, the most recent records a refit fits; then refitted every this many
+# new records. A fit's cost grows with its rows: a window keeps it bounded however long the
+# server runs, and the fit runs on a worker thread, never on the event loop.
+REFIT_WINDOW = 4096
 PROBE_BATCH = 8  # seqs per probe step (at most the engine's max_batch_size)
 PROBE_LONGEST = 512  # KV tokens of the probe's longest seq (less if the cache is small)
 # NOTE: each probe step runs this many times and the fastest counts: with fewer, start-ups
@@ -54,7 +59,8 @@ def hardware_name(device: str) -> str:
 
 class EngineStepCost:
     """``step_time(lengths)`` for one decode device, refitted from ``records`` (the
-    engine's iteration records, a list the engine keeps appending to)."""
+    engine's iteration records, a list the engine keeps appending to and trims) on a worker
+    thread; a refit's model is taken at the first call after it is done."""
 
     def __init__(self, model: OPTConfig, attention: str, device: str, dtype_bytes: int,
                  records: list[IterationRecord],
@@ -69,6 +75,9 @@ class EngineStepCost:
         self.records = records
         self.next_fit = FIRST_FIT
         self.num_fits = 0
+        self._num_at_fit = 0  # len(records) at the last refit (the engine trims old ones)
+        self._fitting: Future[CostModel | None] | None = None  # a refit on the worker thread
+        self._executor: ThreadPoolExecutor | None = None  # made at the first refit
         self.probed = [dataclasses.asdict(r) if isinstance(r, IterationRecord) else r
                        for r in probed] if len(probed) >= 3 else []
         # the imbalance weight the probe measured, which refits keep (`refit`)
@@ -79,19 +88,48 @@ class EngineStepCost:
             self.num_fits += 1
 
     def __call__(self, lengths: Sequence[int]) -> float:
-        if len(self.records) >= self.next_fit:
-            self.refit()
+        self._refresh()
         return self.model.iteration_time(lengths)
 
     def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
         """The step over ``lengths`` grown one seq at a time (scheduler/step_time.py
         ``growing_step``), on the model ``__call__`` would use."""
-        if len(self.records) >= self.next_fit:
-            self.refit()
+        self._refresh()
         return self.model.decode_step(lengths)
 
+    def _refresh(self) -> None:
+        """Takes a finished background refit's model, and starts the next refit once due
+        (on a snapshot of the window: the worker never reads the list the engine appends
+        to)."""
+        if self._fitting is not None:
+            if not self._fitting.done():
+                return
+            refitted, self._fitting = self._fitting.result(), None
+            if refitted is not None:
+                self.model = refitted
+                self.num_fits += 1
+        num = len(self.records)
+        if num < self.next_fit and num >= self._num_at_fit:
+            return
+        self._schedule_next(num)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-refit")
+        self._fitting = self._executor.submit(self._refitted, self.records[-REFIT_WINDOW:])
+
+    def _schedule_next(self, num: int) -> None:
+        self._num_at_fit = num
+        self.next_fit = min(max(num, 1) * REFIT_GROWTH, num + REFIT_WINDOW)
+
     def refit(self) -> None:
-        """Fits the constants to the decode records so far (pure decode steps only) and the
+        """Refits now, in this thread (`_refitted`)."""
+        self._schedule_next(len(self.records))
+        refitted = self._refitted(self.records[-REFIT_WINDOW:])
+        if refitted is not None:
+            self.model = refitted
+            self.num_fits += 1
+
+    def _refitted(self, records: Sequence[IterationRecord]) -> CostModel | None:
+        """Fits the constants to the decode `records` (pure decode steps only) and the
         probe's steps, which weigh as much as the records in all, keeping the imbalance
         weight the probe measured.
 
@@ -100,16 +138,15 @@ class EngineStepCost:
         docstring warns), then mixes lengths and pays for padding; even with the probe's
         steps in the fit a noisy spell can halve it. The probe's steps differ in length by
         design and measure that weight; the records refine the rest."""
-        rows = [dataclasses.asdict(r) for r in self.records
+        rows = [dataclasses.asdict(r) for r in records
                 if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
-        self.next_fit = max(len(self.records), 1) * REFIT_GROWTH
         if len(rows) < FIRST_FIT // 2:
-            return
+            return None
         probed = self.probed * (len(rows) // len(self.probed)) if self.probed else []
         refitted = self._fitted(rows + probed)
-        if relative_error(refitted, rows) < relative_error(self.model, rows):
-            self.model = refitted
-            self.num_fits += 1
+        current = self.model  # NOTE: read once; only the loop's thread replaces it
+        is_better = relative_error(refitted, rows) < relative_error(current, rows)
+        return refitted if is_better else None
 
     def _fitted(self, rows: Sequence[Mapping[str, object]]) -> CostModel:
         calibration = fit(rows, self.geometry, self.hardware.name, self.kernel,

@@ -68,8 +68,8 @@ ENGINE_HELP: dict[str, str] = {  # every engine config field's option help (defa
     # EngineConfig
     "seed": "seeds the RNG that sampled requests without their own seed draw from (as "
             "vLLM's --seed)",
-    "trace_limit": "lifecycle events and iteration records kept (the older half is dropped "
-                   "past it)",
+    "trace_limit": "lifecycle events and iteration records kept, each (the older half is "
+                   "dropped past it); none keeps the full log",
     "num_threads": "torch CPU threads for the process; none: torch's default",
 }
 ENGINE_ALIASES = {  # vLLM's option name, shown first, for the fields that have one
@@ -193,9 +193,14 @@ SERVER_LIMITS = (  # ServerConfig's numeric limits: (field, help); typed as thei
     ("header_timeout", "seconds a connection may take to send a request's headers"),
     ("body_timeout", "seconds a request body may take once its headers are in; then 408"),
     ("keepalive_timeout", "seconds an idle keep-alive connection stays open"),
+    ("write_timeout", "seconds a stream may wait for its client to read; then it is aborted "
+                      "and its KV freed"),
     ("max_connections", "open connections served at once; a connection past it gets 503 and "
                         "is closed"),
     ("max_request_prompts", "prompts one request may carry; more get 400"),
+    ("max_client_tokens", "tokens (prompt + max_tokens, over every sample) one client address "
+                          "may have in flight; past it 429 (one with none in flight is always "
+                          "let in); 0: no budget"),
     ("max_request_tokens", "prompt tokens plus max_tokens, summed over one request's prompts; "
                            "more get 400"),
 )

@@ -51,6 +51,10 @@ class BatchRun:
         self._num_live = 0  # submitted and unfinished samples
         self._pending: tuple[int, RequestOutput] | None = None
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        # NOTE: outputs queued at once, bounded: while the handler takes none (its client
+        # does not read) the pumps wait, and the engine's steps coalesce into one output per
+        # sample (`Engine._stream`) instead of piling up here, each a copy of the history
+        self._room = asyncio.Semaphore(2 * len(self.requests))
         self._tasks: list[asyncio.Task[None]] = []
         self._admit()
 
@@ -83,6 +87,7 @@ class BatchRun:
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in stream:
+                await self._room.acquire()
                 self._queue.put_nowait((index, out))
         except Exception as exc:  # re-raised by next() in the handler, which maps it
             self._queue.put_nowait((index, exc))
@@ -100,6 +105,7 @@ class BatchRun:
             raise RequestError(str(item), "prompt") from item
         if isinstance(item, Exception):
             raise item
+        self._room.release()
         self.last[index] = item
         self._queued.discard(index // len(self.groups[0]))
         if item.finished:

@@ -22,6 +22,8 @@ from aserve.entrypoints.protocol import RequestError, clip, error_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LINGER_S = 1.0  # seconds a closing connection still drains a body it did not read
+PROBE_SLOTS = 4  # connections past max_connections kept for the probes below
+PROBE_PATHS = ("/health", "/ping", "/metrics")  # served on a probe slot
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 GUARD_CONFIG = web.AppKey("guard_config", ServerConfig)
@@ -54,11 +56,14 @@ class GuardedServer(Server):
         self.num_refused = 0  # connections turned away at the cap
 
     def __call__(self) -> RequestHandler:
-        if len(self._connections) >= self.max_connections:
+        num_open = len(self._connections)
+        if num_open >= self.max_connections + PROBE_SLOTS:
             self.num_refused += 1
             return RefusedConnection(self._loop, self.max_connections)  # type: ignore[return-value]
-        return GuardedHandler(self, loop=self._loop, header_timeout=self.header_timeout,
-                              **self._kwargs)
+        handler = GuardedHandler(self, loop=self._loop, header_timeout=self.header_timeout,
+                                 **self._kwargs)
+        handler.is_probe_slot = num_open >= self.max_connections  # `slot_middleware`
+        return handler
 
 
 class GuardedHandler(RequestHandler):
@@ -70,6 +75,7 @@ class GuardedHandler(RequestHandler):
         super().__init__(manager, **kwargs)  # type: ignore[arg-type]
         self.header_timeout = header_timeout
         self.num_heads = 0  # request heads parsed on this connection
+        self.is_probe_slot = False  # opened past max_connections: only PROBE_PATHS served
         self.head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -175,6 +181,17 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@web.middleware
+async def slot_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """On a connection opened past `max_connections` (a probe slot), only PROBE_PATHS are
+    served: /health and /metrics answer however many connections clients hold open."""
+    if getattr(request.protocol, "is_probe_slot", False) and request.path not in PROBE_PATHS:
+        limit = request.app[GUARD_CONFIG].max_connections
+        raise RequestError(f"the server has max_connections ({limit}) open; retry later",
+                           None, 503, "too_many_connections")
+    return await handler(request)
 
 
 @web.middleware

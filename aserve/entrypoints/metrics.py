@@ -18,6 +18,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
                    60.0)  # seconds
 STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0)  # seconds
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # s
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -121,6 +122,19 @@ class ServerMetrics:
         self.schedule = self._histogram("aserve_iteration_schedule_seconds",
                                         "Scheduling time before one decode iteration",
                                         STEP_BUCKETS)
+        self.loop_lag = self._histogram("aserve_event_loop_lag_seconds",
+                                        "Lateness of the event loop's heartbeat", LAG_BUCKETS)
+        self.engine_errors = Counter("aserve_engine_errors", "Errors caught at the engine "
+                                     "actors' boundaries, by actor and exception type",
+                                     ["actor", "kind"], registry=r)
+        self.disconnects = Counter("aserve_client_disconnects", "Requests whose client left "
+                                   "before the response ended", registry=r)
+        self.write_timeouts = Counter("aserve_write_timeouts", "Streams aborted because their "
+                                      "client did not read within write_timeout", registry=r)
+        self.client_refusals = Counter("aserve_client_budget_refusals", "Requests refused "
+                                       "(429) because their client had max_client_tokens in "
+                                       "flight", registry=r)
+        self._errors_seen: dict[tuple[str, str], int] = {}
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # exported at 0 before the first request
         self.num_iterations_seen = 0  # absolute count of iteration records observed
@@ -161,6 +175,13 @@ class ServerMetrics:
             self.forward.observe(record.forward_time)
             self.schedule.observe(record.schedule_time)
         self.num_iterations_seen = num_dropped + len(iterations)
+
+    def observe_errors(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Counts the engine's errors (`Engine.error_counts`) not yet counted."""
+        for key, num in counts.items():
+            if num > self._errors_seen.get(key, 0):
+                self.engine_errors.labels(*key).inc(num - self._errors_seen.get(key, 0))
+                self._errors_seen[key] = num
 
     def render(self) -> bytes:
         """The Prometheus text exposition of the registry."""

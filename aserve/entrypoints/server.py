@@ -32,6 +32,8 @@ from aserve.entrypoints.chat import (
     decode_chat_request,
     load_chat_template,
 )
+from aserve.entrypoints.client_budget import ClientBudget
+from aserve.entrypoints.loop_watch import LoopWatch
 from aserve.entrypoints.metrics import ServerMetrics
 from aserve.entrypoints.protocol import (
     CompletionFormat,
@@ -48,7 +50,8 @@ from aserve.entrypoints.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503
+RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503 or a 429
+CLIENT_CLOSED = 499  # the access log's status of a request whose client left (as nginx's)
 SHUTDOWN_TIMEOUT_S = 10.0  # seconds in-flight handlers get to end after SIGINT/SIGTERM
 PUBLIC_PATHS = ("/health", "/ping")  # liveness probes need no API key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -62,6 +65,8 @@ ResponseFormat = CompletionFormat | ChatFormat
 
 
 RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
+BUDGET: web.AppKey[ClientBudget | None] = web.AppKey("budget")  # None: no per-client budget
+LOOP_WATCH = web.AppKey("loop_watch", LoopWatch)
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig,
@@ -70,14 +75,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     An `engine` passed in that is already running is used but neither started nor stopped."""
     app = web.Application(client_max_size=server_config.max_body_bytes,
-                          middlewares=[_error_middleware, guard.host_middleware,
-                                       _auth_middleware, guard.body_middleware])
+                          middlewares=[_error_middleware, guard.slot_middleware,
+                                       guard.host_middleware, _auth_middleware,
+                                       guard.body_middleware])
     app[ENGINE] = engine if engine is not None else Engine(engine_config)
     app[SERVER_CONFIG] = server_config
     model = app[ENGINE].config.model.model
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
     app[METRICS] = ServerMetrics(app[MODEL_NAMES][0])
     app[RUNS] = set()
+    limit = server_config.max_client_tokens
+    app[BUDGET] = ClientBudget(limit) if limit else None
+    app[LOOP_WATCH] = LoopWatch(app[METRICS].loop_lag.observe)
     app[CHAT_TEMPLATE] = load_chat_template(server_config.chat_template,
                                             _checkpoint_dir(engine_config.model.model))
     app.cleanup_ctx.append(_engine_lifetime)
@@ -101,10 +110,12 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     is_owned = not engine.is_running
     if is_owned:
         await engine.start()
+    app[LOOP_WATCH].start()
     try:
         yield
     finally:
         abort_all(app)
+        await app[LOOP_WATCH].stop()
         if is_owned:
             await engine.stop()
 
@@ -116,11 +127,16 @@ def abort_all(app: web.Application) -> None:
         run.abort()
 
 
+class ClientLeft(ConnectionResetError):
+    """A request's client left (or read nothing for `write_timeout`); logged and counted
+    where it was found."""
+
+
 # -- middlewares ---------------------------------------------------------------------------
 def _error_response(status: int, message: str, param: str | None = None,
                     code: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return web.Response(status=status, body=error_json(message, kind, param, code),
                         content_type="application/json", headers=headers)
 
@@ -144,8 +160,12 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     except EngineError as exc:
         code = "overloaded" if isinstance(exc, EngineOverloaded) else "engine_unavailable"
         return _error_response(503, str(exc), code=code)
-    except ConnectionResetError:  # the client left; completions() aborted its requests
-        raise
+    except ConnectionResetError as exc:  # the client left (its requests are aborted)
+        if not isinstance(exc, ClientLeft):  # before its body was read
+            request.app[METRICS].disconnects.inc()
+            logger.info("%s %s: the client disconnected before its request was read",
+                        request.method, request.path)
+        return web.Response(status=CLIENT_CLOSED)  # NOTE: for the access log; nobody reads it
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(500, "internal server error", code="internal_error")
@@ -207,15 +227,34 @@ def _check_model(app: web.Application, model: str) -> None:
 async def _serve(request: web.Request, req: CompletionRequest, cmpl_id: str,
                  fmt: ResponseFormat) -> web.StreamResponse:
     app = request.app
-    run = BatchRun(app[ENGINE], admit(app[ENGINE], app[SERVER_CONFIG], req, cmpl_id), app[METRICS])
+    groups = admit(app[ENGINE], app[SERVER_CONFIG], req, cmpl_id)
+    budget, client = app[BUDGET], request.remote or "unknown"
+    num_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for g in groups for r in g)
+    if budget is not None:
+        try:
+            budget.take(client, num_tokens)
+        except RequestError:
+            app[METRICS].client_refusals.inc()
+            raise
+    run = BatchRun(app[ENGINE], groups, app[METRICS])
     app[RUNS].add(run)
     try:
         await run.start()
         if req.stream:
             return await _stream(request, req, run, cmpl_id, fmt)
         return await _collect(req, run, cmpl_id, fmt)
+    except (asyncio.CancelledError, ConnectionResetError) as exc:  # the client left
+        if not isinstance(exc, ClientLeft):
+            app[METRICS].disconnects.inc()
+            logger.info("request %s: the client disconnected; its requests are aborted",
+                        cmpl_id)
+        if isinstance(exc, ConnectionResetError):
+            raise ClientLeft(cmpl_id) from None
+        raise
     finally:
         app[RUNS].discard(run)
+        if budget is not None:
+            budget.give_back(client, num_tokens)
         await run.close()
 
 
@@ -241,19 +280,33 @@ async def _stream(request: web.Request, req: CompletionRequest, run: BatchRun,
     """Server-sent events: one chunk per new text, `usage` if asked, then `[DONE]`.
 
     A client disconnect raises out of `write` (or cancels the handler); the caller's
-    `finally` aborts the requests."""
+    `finally` aborts the requests. So does a client that does not read a write within
+    `write_timeout`: its connection is closed."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     builders = choice_builders(req, run)
     created = now()
+    timeout = request.app[SERVER_CONFIG].write_timeout
+
+    async def send(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(resp.write(_sse(data)), timeout)
+        except asyncio.TimeoutError:
+            request.app[METRICS].write_timeouts.inc()
+            logger.info("request %s: the client read nothing for write_timeout (%g s); the "
+                        "stream is aborted", cmpl_id, timeout)
+            if request.transport is not None:
+                request.transport.abort()  # drops what the client never read
+            raise ClientLeft(cmpl_id) from None
+
     async for index, out in run.outputs():
         choice = builders[index].delta(out)
         if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
-            await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [choice])))
+            await send(fmt.chunk(cmpl_id, created, req.model, [choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
-        await resp.write(_sse(fmt.chunk(cmpl_id, created, req.model, [], run.usage)))
-    await resp.write(_sse(b"[DONE]"))
+        await send(fmt.chunk(cmpl_id, created, req.model, [], run.usage))
+    await send(b"[DONE]")
     await resp.write_eof()
     return resp
 
@@ -328,6 +381,7 @@ async def metrics(request: web.Request) -> web.Response:
     engine, registry = request.app[ENGINE], request.app[METRICS]
     if engine.is_running:
         registry.update(engine.stats(), engine.iterations, engine.num_dropped_iterations)
+        registry.observe_errors(engine.error_counts())
     return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -35,3 +35,13 @@ def test_metrics_observe_each_iteration_once_across_trims() -> None:
     count = next(line for line in text.splitlines()
                  if line.startswith("aserve_iteration_forward_seconds_count"))
     assert float(count.split()[-1]) == 37
+
+
+def test_an_engine_keeps_a_bounded_trace_unless_asked_for_all() -> None:
+    from aserve.engine.config import EngineConfig
+
+    assert EngineConfig().trace_limit is not None  # a long-running server stays bounded
+    full = Lifecycle(None, eos_token_id=2, trace_limit=None)
+    for i in range(25):
+        full.iteration(record(i))
+    assert len(full.iterations) == 25 and full.num_dropped_iterations == 0

@@ -88,3 +88,39 @@ def test_a_refit_keeps_the_probes_imbalance_weight_that_aligned_records_cannot_s
     assert cost.model.params.imbalance_scale > 1.0  # but not their price of the padding
     alone = fit([dataclasses.asdict(r) for r in records], m.geometry, "cpu", "padded", 2)
     assert alone.params.imbalance_scale < 0.5  # what the records alone would have fitted
+
+
+def test_refits_run_off_the_calling_thread_over_a_bounded_window() -> None:
+    """However many records the engine has kept, a refit fits at most REFIT_WINDOW of them,
+    on a worker thread; the caller keeps deciding with the current model meanwhile."""
+    import threading
+
+    from aserve.engine.sequence import IterationRecord
+    from aserve.engine.step_probe import REFIT_WINDOW
+    from models.opt import OPTConfig
+
+    records = [IterationRecord("decode0", float(i), 4, 0, 40, 40 + i % 7, 1e-3 * (1 + i % 3),
+                               0.0, False, {}, (40,) * 3 + (40 + i % 7,), (1,) * 4)
+               for i in range(3 * REFIT_WINDOW)]
+    cost = EngineStepCost(OPTConfig(), "padded", "cpu", 2, records)
+    fitted: list[tuple[str, int]] = []
+    done = threading.Event()
+    refitted = cost._refitted
+
+    def spy(window: list[IterationRecord]) -> object:
+        fitted.append((threading.current_thread().name, len(window)))
+        try:
+            return refitted(window)
+        finally:
+            done.set()
+
+    cost._refitted = spy  # type: ignore[method-assign]
+    model = cost.model
+    cost([40, 50])  # due: starts a refit and answers with the model it has
+    assert cost.model is model
+    assert done.wait(60)
+    [(thread, num)] = fitted
+    assert thread.startswith("aserve-refit") and num == REFIT_WINDOW
+    cost._fitting.result()  # type: ignore[union-attr]
+    cost([40, 50])  # takes the refit's model when it is better (never blocks on it)
+    assert cost._fitting is None and cost.next_fit > len(records)

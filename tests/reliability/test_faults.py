@@ -57,8 +57,12 @@ def assert_only_victims_failed(outs: dict[str, RequestOutput], victims: set[str]
             assert len(out.token_ids) == params.max_tokens
 
 
+@pytest.mark.parametrize("num_failures", [1, 2], ids=["once", "twice"])
 @pytest.mark.parametrize("policy", ["aligned", "fcfs", "continuous"])
-async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str) -> None:
+async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str,
+                                                                  num_failures: int) -> None:
+    """A decode step that fails once runs again (its KV is intact) and every request
+    completes; one that fails twice fails its batch alone."""
     async with Engine(make_config(policy=policy)) as engine:
         ledger = BlockLedger(engine)
         runner = next(iter(engine.ctx.runners.values()))  # type: ignore[union-attr]
@@ -70,14 +74,18 @@ async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str) -
             for i in range(len(PROMPTS) - 1):
                 await wait_for_event(engine, f"other{i}", "pooled")
 
-        def fail_once() -> None:
-            runner.fault_hook = None
+        failures = iter(range(num_failures - 1, -1, -1))
+
+        def fail() -> None:
+            if next(failures) == 0:
+                runner.fault_hook = None
             raise RuntimeError("injected forward failure")
 
-        runner.fault_hook = fail_once
+        runner.fault_hook = fail
         gate.open()
         outs = await finish_all(engine, tasks, ledger)
-    assert_only_victims_failed(outs, {"victim"}, "injected forward failure")
+    victims = {"victim"} if num_failures > 1 else set()
+    assert_only_victims_failed(outs, victims, "injected forward failure")
 
 
 Inject = Callable[[SeqState, str], None]

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from aserve.engine.config import ServerConfig
+from aserve.entrypoints.guard import PROBE_SLOTS
 from tests.aserve.conftest import server_engine_config
 from tests.reliability.conftest import GuardedLiveServer, raw_exchange
 
@@ -93,8 +94,9 @@ async def test_slow_client_is_cut_off_while_health_answers(server: GuardedLiveSe
 
 async def test_the_connection_cap_gives_a_fast_503_then_recovers(
         server: GuardedLiveServer) -> None:
+    # the cap and the probe slots past it (/health takes those) are all held
     open_ = [await asyncio.open_connection("127.0.0.1", server.port)
-             for _ in range(MAX_CONNECTIONS)]
+             for _ in range(MAX_CONNECTIONS + PROBE_SLOTS)]
     await asyncio.sleep(0.1)  # the server has registered them all
     try:
         async with aiohttp.ClientSession() as session:
