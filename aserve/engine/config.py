@@ -56,8 +56,6 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("block_size", "num_decode_blocks", "num_prefill_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
-        if self.max_client_tokens < 0:
-            raise ValueError(f"max_client_tokens ({self.max_client_tokens}) must be >= 0")
         if self.num_staging_blocks < 0:
             raise ValueError(f"num_staging_blocks ({self.num_staging_blocks}) must be >= 0")
         if self.host_pool_gb <= 0:
@@ -127,6 +125,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("max_connections", "max_request_prompts", "max_request_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.max_client_tokens < 0:
+            raise ValueError(f"max_client_tokens ({self.max_client_tokens}) must be >= 0")
 
 
 class _FlatKeywords(msgspec.StructMeta):
