@@ -235,7 +235,8 @@ def engine_summaries(plan: Plan, deadline: float) -> list[Summary | str]:
         for policy in POLICIES:
             config = EngineConfig.create(
                 model=plan.engine_model, dtype=plan.dtype, attention=backend, policy=policy,
-                prefill_devices=plan.device, decode_devices=plan.device, **sizing.options())
+                prefill_devices=plan.device, decode_devices=plan.device, trace_limit=None,
+                **sizing.options())
             system = f"{policy}/{backend}"
             if time.perf_counter() > deadline:
                 out.append(f"{system}: skipped, out of time")

@@ -73,7 +73,7 @@ def test_event_loop_lag_while_decoding_batch_of_32(policy: str) -> None:
     arch = model_config("opt-125m")
     sizing = size_engine(workload, arch, "bfloat16", batch_requests=32)
     config = EngineConfig.create(model="opt-125m", dtype="bfloat16", policy=policy,
-                                 **sizing.options())
+                                 trace_limit=None, **sizing.options())
     prompts = workload_prompts(workload, arch.vocab_size, seed=0)
 
     async def measure() -> tuple[LoopLagProbe, RunResult]:

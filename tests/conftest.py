@@ -60,7 +60,8 @@ def make_config(model: str = "opt-tiny", **kwargs: object):  # type: ignore[no-u
     defaults: dict[str, object] = dict(model=model, dtype="float32", block_size=16,
                                        num_decode_blocks=256, num_prefill_blocks=256,
                                        num_staging_blocks=256, host_pool_gb=0.05,
-                                       max_prefill_tokens=1024, min_requests=4)
+                                       max_prefill_tokens=1024, min_requests=4,
+                                       trace_limit=None)  # tests read the whole log
     defaults.update(kwargs)
     return EngineConfig.create(**defaults)
 

@@ -83,7 +83,8 @@ def engine_config(policy: str, starvation_threshold: float | None = 0.3,
                                num_prefill_blocks=128, num_staging_blocks=64,
                                host_pool_gb=0.002, min_requests=4, max_batch_size=16,
                                starvation_threshold=starvation_threshold,
-                               share_kv_memory=share_kv_memory)
+                               share_kv_memory=share_kv_memory,
+                               trace_limit=None)  # compared with the simulator's whole log
 
 
 async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
