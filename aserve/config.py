@@ -1,7 +1,7 @@
 """Every configuration object, and the one place that reads the CLI and the environment.
 
 Configs are frozen msgspec Structs validated on construction; derived values are properties.
-`models/` never sees these: it gets an `OPTConfig` only.
+`models/` never sees these: it gets a model name and a dtype only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ ENV_PREFIX = "ASERVE_"
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Which weights to run and how."""
 
-    model: str = "opt-125m"  # a preset name (see models.opt) or an HF checkpoint directory
+    model: str = "opt-125m"  # a preset or packaged model (models.registry), an HF checkpoint
+    # directory or a .gguf file
     dtype: str = "float32"  # one of DTYPES
     attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
     max_position_embeddings: int | None = None  # extend a preset's position table (tokens)
@@ -235,15 +236,18 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
 
     Help texts leave the default to the parser's formatter (`HELP_FORMATTER`), which shows it.
     """
-    from models.opt import PRESETS
+    from models.registry import PACKAGED_MODELS, preset_names
     from scheduler import POLICIES
 
     m, c, s, e = ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()
     d = lambda n, v: _env_default(n, v, env)  # noqa: E731
     add = parser.add_argument
+    random_presets = [n for n in preset_names() if n not in PACKAGED_MODELS]
     add("--model", default=d("model", m.model),
-        help=f"a preset with random weights ({', '.join(PRESETS)}) or a checkpoint directory "
-             "(config.json, weights, tokenizer files)")
+        help=f"a trained model installed as a package ({', '.join(PACKAGED_MODELS)}), a "
+             f"preset with random weights ({', '.join(random_presets)}), a "
+             "checkpoint directory (OPT, Llama, Mistral or Qwen2: config.json, weights, "
+             "tokenizer files) or a .gguf file (Llama family)")
     add("--tokenizer", default=d("tokenizer", m.tokenizer),
         help="a directory with tokenizer files (tokenizer.json, or vocab.json + merges.txt), "
              "or 'bytes' for the byte-level tokenizer; None: the model directory's own "

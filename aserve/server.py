@@ -30,7 +30,7 @@ from aserve.chat import (
     load_chat_template,
 )
 from aserve.config import EngineConfig, ServerConfig
-from aserve.engine import Engine, model_config_is_preset
+from aserve.engine import Engine
 from aserve.errors import EngineError, EngineOverloaded
 from aserve.metrics import ServerMetrics
 from aserve.protocol import (
@@ -46,6 +46,7 @@ from aserve.protocol import (
     now,
     openapi_document,
 )
+from models.registry import checkpoint_path
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503
@@ -347,8 +348,9 @@ def _version() -> str:
 
 
 def _checkpoint_dir(model: str) -> str | None:
-    """The model's directory (where a chat template may be), None for a preset."""
-    return None if model_config_is_preset(model) else model
+    """The model's directory or GGUF file (where a chat template may be), None for a
+    random-weight preset."""
+    return checkpoint_path(model)
 
 
 # -- the process ---------------------------------------------------------------------------

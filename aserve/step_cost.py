@@ -26,6 +26,7 @@ import torch
 
 from aserve.core import IterationRecord
 from aserve.runner import ModelRunner, WorkItem
+from models.llama import LlamaConfig
 from models.opt import OPTConfig
 from scheduler import ceil_div
 from sim.calibrate import ATTENTION_KERNELS, fit, record_lengths
@@ -56,12 +57,16 @@ class EngineStepCost:
     """``step_time(lengths)`` for one decode device, refitted from ``records`` (the
     engine's iteration records, a list the engine keeps appending to)."""
 
-    def __init__(self, model: OPTConfig, attention: str, device: str, dtype_bytes: int,
-                 records: list[IterationRecord],
+    def __init__(self, model: OPTConfig | LlamaConfig, attention: str, device: str,
+                 dtype_bytes: int, records: list[IterationRecord],
                  probed: Sequence[IterationRecord | Mapping[str, object]] = ()) -> None:
+        llama = isinstance(model, LlamaConfig)
         self.geometry = ModelGeometry(
             "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
-            vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim)
+            vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim,
+            num_kv_heads=model.num_kv_heads, gated_mlp=llama,
+            **({"num_positions": 0, "tied_embeddings": model.tie_word_embeddings}
+               if llama else {}))
         self.kernel = ATTENTION_KERNELS[attention]
         self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
                                             dtype_bytes=dtype_bytes)
