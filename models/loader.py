@@ -53,10 +53,8 @@ def load_model(model: str, dtype: str | torch.dtype, device: torch.device | str,
     if source.kind == "opt-preset":
         return build_preset(model, torch_dtype, device, seed, max_position_embeddings)
     if source.kind == "llama-preset":
-        cfg = LlamaConfig(**{**LLAMA_PRESETS[model], **(
-            {} if max_position_embeddings is None
-            else {"max_position_embeddings": max_position_embeddings})})
-        return build_random(cfg, LlamaForCausalLM, torch_dtype, device, seed)
+        return build_random(load_config(model, max_position_embeddings), LlamaForCausalLM,
+                            torch_dtype, device, seed)
     assert source.path is not None
     if source.kind == "gguf":
         loaded = load_gguf(source.path, torch_dtype, device)
@@ -69,6 +67,27 @@ def load_model(model: str, dtype: str | torch.dtype, device: torch.device | str,
         raise ValueError(f"max_position_embeddings ({max_position_embeddings}) exceeds the "
                          f"checkpoint's limit ({limit})")
     return loaded
+
+
+def load_config(model: str, max_position_embeddings: int | None = None) -> Any:
+    """The architecture (`OPTConfig` or `LlamaConfig`) of what `model` names, without its
+    weights."""
+    source = registry.resolve(model)
+    if source.kind == "opt-preset":
+        return OPTConfig.from_name(model, max_position_embeddings)
+    if source.kind == "llama-preset":
+        extra = {} if max_position_embeddings is None else {
+            "max_position_embeddings": max_position_embeddings}
+        return LlamaConfig(**{**LLAMA_PRESETS[model], **extra})
+    assert source.path is not None
+    if source.kind == "gguf":
+        from models import gguf_loader
+
+        return LlamaConfig.from_hf_config(gguf_loader.hf_config(source.path))
+    config = {**registry.read_hf_config(source.path), **_generation_tokens(Path(source.path))}
+    if registry.architecture(config) in OPT_ARCHITECTURES:
+        return OPTConfig.from_hf_config(config)
+    return LlamaConfig.from_hf_config(config)
 
 
 def build_preset(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,

@@ -129,6 +129,11 @@ class HFTokenizer:
                 or self._tokenizer.post_processor is None):
             self._tokenizer.post_processor = _template(config, bos_id, eos_id)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object (e.g. to save it as tokenizer.json)."""
+        return self._tokenizer
+
     def _token_id(self, token: object) -> int | None:
         content = _content(token)
         return None if content is None else self._tokenizer.token_to_id(content)

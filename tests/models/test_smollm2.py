@@ -55,8 +55,13 @@ def hf_tokenizer(gguf_file: Path) -> transformers.PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_file: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, torch_dtype=torch.float64).eval()
+    """transformers' model of the file, dequantized to float32 (as the gguf library
+    dequantizes), then computing in float64."""
+    dequantized = {"quantization_config": transformers.GgufConfig(dequantize=True)} if hasattr(
+        transformers, "GgufConfig") else {}  # older transformers always dequantize
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, **dequantized)
+    return model.to(torch.float64).eval()
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +79,33 @@ def chat_prompts(hf_tokenizer: transformers.PreTrainedTokenizerBase) -> list[lis
 @pytest.fixture(scope="module")
 def expected(hf_model: transformers.PreTrainedModel, chat_prompts: list[list[int]]
              ) -> list[list[int]]:
+    """transformers' greedy ids, EOS included (as `ignore_eos` generates past it)."""
     outs = []
     with torch.inference_mode():
         for prompt in chat_prompts:
-            ids = torch.tensor([prompt])
-            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
-                                    max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-                                    do_sample=False)
-            outs.append(gen[0, len(prompt):].tolist())
+            ids, past, out = torch.tensor([prompt]), None, []
+            for _ in range(NUM_TOKENS):
+                step = hf_model(ids, past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                out.append(int(step.logits[0, -1].argmax()))
+                ids = torch.tensor([out[-1:]])
+            outs.append(out)
     return outs
+
+
+def test_dequantized_weights_equal_transformers(ours: LoadedModel,
+                                                hf_model: transformers.PreTrainedModel) -> None:
+    """The gguf library's dequantization and q/k order give transformers' exact weights."""
+    theirs = hf_model.state_dict()
+    for name, tensor in ours.model.state_dict().items():
+        if ".qkv_proj." in name or ".gate_up_proj." in name:
+            parts = ("q_proj", "k_proj", "v_proj") if "qkv" in name else ("gate_proj", "up_proj")
+            fused = name.split(".")[-2]
+            prefix = name.replace(f"{fused}.", "mlp.{}." if "gate" in fused else "{}.")
+            tensor_hf = torch.cat([theirs[prefix.format(p)] for p in parts])
+        else:
+            tensor_hf = theirs[name.replace(".down_proj.", ".mlp.down_proj.")]
+        assert torch.equal(tensor, tensor_hf), name
 
 
 @pytest.fixture
