@@ -309,10 +309,7 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
         spec = {"model": str(folder), "dtype": dtype,
                 "max_model_len": json.loads((folder / "config.json").read_text())[
                     "max_position_embeddings"],
-                "requests": [{"request_id": r.request_id, "prompt_token_ids": list(ids),
-                              "output_len": r.output_len,
-                              "arrival_time": r.arrival_time if realtime else 0.0}
-                             for r, ids in zip(workload.requests, prompts, strict=True)]}
+                "requests": _driver_requests(workload, prompts, realtime)}
         in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         in_path.write_text(json.dumps(spec))
         threads = torch.get_num_threads()
@@ -320,6 +317,14 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
                     vllm_env(venv, threads), Path(tmp) / "driver.log")
         out = json.loads(out_path.read_text())
     return _driver_result(workload, out, system, on_finish)
+
+
+def _driver_requests(workload: Workload, prompts: Sequence[list[int]], realtime: bool
+                     ) -> list[dict[str, Any]]:
+    """The requests of a driver's input JSON (arrivals at 0 unless `realtime`)."""
+    return [{"request_id": r.request_id, "prompt_token_ids": list(ids),
+             "output_len": r.output_len, "arrival_time": r.arrival_time if realtime else 0.0}
+            for r, ids in zip(workload.requests, prompts, strict=True)]
 
 
 def _driver_result(workload: Workload, out: dict[str, Any], system: str,
@@ -377,10 +382,7 @@ def run_llamacpp(model: str, workload: Workload, prompts: Sequence[list[int]],
         spec = {"model": source.path, "threads": torch.get_num_threads(),
                 "n_ctx": max(len(ids) + r.output_len
                              for r, ids in zip(workload.requests, prompts, strict=True)) + 8,
-                "requests": [{"request_id": r.request_id, "prompt_token_ids": list(ids),
-                              "output_len": r.output_len,
-                              "arrival_time": r.arrival_time if realtime else 0.0}
-                             for r, ids in zip(workload.requests, prompts, strict=True)]}
+                "requests": _driver_requests(workload, prompts, realtime)}
         in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         in_path.write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
