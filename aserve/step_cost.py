@@ -60,13 +60,14 @@ class EngineStepCost:
     def __init__(self, model: OPTConfig | LlamaConfig, attention: str, device: str,
                  dtype_bytes: int, records: list[IterationRecord],
                  probed: Sequence[IterationRecord | Mapping[str, object]] = ()) -> None:
-        llama = isinstance(model, LlamaConfig)
-        self.geometry = ModelGeometry(
+        geometry = ModelGeometry(
             "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
             vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim,
-            num_kv_heads=model.num_kv_heads, gated_mlp=llama,
-            **({"num_positions": 0, "tied_embeddings": model.tie_word_embeddings}
-               if llama else {}))
+            num_kv_heads=model.num_kv_heads)
+        if isinstance(model, LlamaConfig):  # rotary positions, a gated MLP, maybe an LM head
+            geometry = dataclasses.replace(geometry, gated_mlp=True, num_positions=0,
+                                           tied_embeddings=model.tie_word_embeddings)
+        self.geometry = geometry
         self.kernel = ATTENTION_KERNELS[attention]
         self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
                                             dtype_bytes=dtype_bytes)

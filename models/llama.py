@@ -105,7 +105,7 @@ class LlamaConfig:
             num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
             ffn_dim=int(d["intermediate_size"]), head_dim=int(d.get("head_dim") or 0),
             max_position_embeddings=max_len, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen2 else bias, o_bias=False if is_qwen2 else bias,
@@ -209,6 +209,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embeddings, the decoder layers and the final norm."""
+
+    inv_freq: Tensor  # [head_dim / 2] float32 rotary frequencies (a buffer, not saved)
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import safetensors.torch
 import torch
@@ -25,6 +25,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 INIT_STD = 0.02  # std of the normal init of weights and embeddings, as HF's init_std
 INIT_CHUNK = 1 << 24  # elements generated at a time by the preset init
 QKV = ("q_proj", "k_proj", "v_proj")  # HF's separate projections, in fused-row order
+M = TypeVar("M", bound=nn.Module)
 
 
 class LoadedModel(NamedTuple):
@@ -180,7 +181,7 @@ def _generation_tokens(root: Path) -> dict[str, int]:
     return found
 
 
-def _finish(model: OPTForCausalLM) -> OPTForCausalLM:
+def _finish(model: M) -> M:
     return model.eval().requires_grad_(False)
 
 

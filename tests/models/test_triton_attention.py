@@ -179,10 +179,11 @@ ARG_TYPES = {  # kernel argument -> Triton type, as a launch on fp16 tensors spe
 
 @pytest.mark.parametrize(("kernel", "constants"), [
     (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
-                          NUM_HEADS=40, LPT=False)),
+                          NUM_HEADS=40, LPT=False, GROUP=1)),
     (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
-                          NUM_HEADS=40, LPT=True)),
-    (_split_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS)),
+                          NUM_HEADS=40, LPT=True, GROUP=5)),  # grouped-query heads
+    (_split_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
+                         GROUP=4)),
     (_merge_kernel, dict(HEAD_DIM=80, BLOCK_D=128, CHUNKS_P2=MAX_CHUNKS)),
 ], ids=["decode", "decode-lpt", "split", "merge"])
 def test_kernel_compiles_for_hopper_without_a_gpu(kernel: object, constants: dict[str, int]
