@@ -6,7 +6,7 @@ answer through the official `openai` client."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -15,11 +15,13 @@ import torch
 import transformers
 
 from aserve import Engine, SamplingParams
-from aserve.config import ServerConfig
+from aserve.config import ModelConfig, ServerConfig
+from aserve.runner import ModelRunner
 from models.loader import LoadedModel, load_model
 from models.registry import DEFAULT_MODEL, checkpoint_path
 from models.tokenizer import load_tokenizer
 from scheduler import POLICIES
+from sim import CostModel, get_geometry, get_hardware
 from tests.aserve.conftest import API_KEY, LiveServer
 from tests.conftest import make_config
 
@@ -108,22 +110,32 @@ def test_dequantized_weights_equal_transformers(ours: LoadedModel,
         assert torch.equal(tensor, tensor_hf), name
 
 
-@pytest.fixture
-def preloaded(ours: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines take the float64 model loaded once (reading the file is slow)."""
-    monkeypatch.setattr("aserve.runner.load_model", lambda *args, **kwargs: ours)
+def preloaded_runner(ours: LoadedModel) -> Callable[[ModelConfig, torch.device, int],
+                                                    ModelRunner]:
+    """`Engine(runner_factory=...)`: runners on the float64 model loaded once (reading the
+    file is slow), whose policies price steps with the simulator's SmolLM2 geometry instead
+    of a start-up probe (token ids do not depend on it)."""
+    cost = CostModel(get_geometry("smollm2-135m"), get_hardware("cpu"))
+
+    def make(config: ModelConfig, device: torch.device, block_size: int) -> ModelRunner:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("aserve.runner.load_model", lambda *args, **kwargs: ours)
+            runner = ModelRunner(config, device, block_size)
+        runner.step_time = cost.iteration_time  # type: ignore[attr-defined]
+        return runner
+    return make
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_greedy_ids_match_transformers_under_every_policy(
-        policy: str, preloaded: None, chat_prompts: list[list[int]],
+        policy: str, ours: LoadedModel, chat_prompts: list[list[int]],
         expected: list[list[int]]) -> None:
     config = make_config(DEFAULT_MODEL, dtype="float64", policy=policy, min_requests=2,
                          num_decode_blocks=64, num_prefill_blocks=64, num_staging_blocks=64,
                          max_batch_size=8)
 
     async def run() -> list[list[int]]:
-        async with Engine(config) as engine:
+        async with Engine(config, runner_factory=preloaded_runner(ours)) as engine:
             params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
             outs = await asyncio.gather(*(engine.complete(p, params) for p in chat_prompts))
         return [o.token_ids for o in outs]
@@ -152,11 +164,10 @@ def test_token_ids_match_transformers(gguf_file: Path,
 
 @pytest.fixture(scope="module")
 def live_smollm2(ours: LoadedModel) -> Iterator[LiveServer]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("aserve.runner.load_model", lambda *args, **kwargs: ours)
-        server = LiveServer(make_config(DEFAULT_MODEL, dtype="float64", num_decode_blocks=64),
-                            ServerConfig(port=0, api_key=API_KEY))
-        server.start()
+    config = make_config(DEFAULT_MODEL, dtype="float64", num_decode_blocks=64)
+    server = LiveServer(config, ServerConfig(port=0, api_key=API_KEY),
+                        Engine(config, runner_factory=preloaded_runner(ours)))
+    server.start()
     try:
         yield server
     finally:
