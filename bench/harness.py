@@ -14,15 +14,14 @@ import math
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aserve.engine.config import EngineConfig
 from aserve.engine.engine import Engine
 from aserve.engine.sequence import Event, IterationRecord, SamplingParams
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, percentile, summarize
 from bench.workloads import Workload, WorkloadRequest
-from models.loader import DTYPES
-from models.opt import PRESETS, OPTConfig
+from models.loader import DTYPES, load_config
 from scheduler import POLICIES
 
 ENGINE_POLICIES = tuple(POLICIES)  # every registered policy (scheduler/policy.py)
@@ -89,17 +88,13 @@ class Sizing:
         return {f: getattr(self, f) for f in fields}
 
 
-def model_config(model: str, max_position_embeddings: int | None = None) -> OPTConfig:
-    """The architecture of a preset name or of a checkpoint directory's config.json."""
-    if model in PRESETS:
-        return OPTConfig.from_name(model, max_position_embeddings)
-    config_file = Path(model) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model ({model!r}) is neither a preset nor a checkpoint directory")
-    return OPTConfig.from_hf_config(json.loads(config_file.read_text()))
+def model_config(model: str, max_position_embeddings: int | None = None) -> Any:
+    """The architecture of a preset, a packaged model, a checkpoint directory or a GGUF
+    file (`models.loader.load_config`)."""
+    return load_config(model, max_position_embeddings)
 
 
-def size_engine(workload: Workload, model: OPTConfig, dtype: str, batch_requests: int = 32,
+def size_engine(workload: Workload, model: Any, dtype: str, batch_requests: int = 32,
                 block_size: int = 16, max_prefill_tokens: int = 2048) -> Sizing:
     """Decode KV for about one batch of `batch_requests` median requests; the rest fits.
 
@@ -115,7 +110,7 @@ def size_engine(workload: Workload, model: OPTConfig, dtype: str, batch_requests
     median = blocks[len(blocks) // 2]
     num_decode = max(batch_requests * median, math.ceil(blocks[-1] / BATCH_KV_FRACTION) + 1)
     num_prefill = 2 * _blocks(max(max_prefill_tokens, longest_prompt), block_size) + blocks[-1]
-    bytes_per_block = (2 * model.num_layers * model.hidden_size * block_size
+    bytes_per_block = (2 * model.num_layers * model.num_kv_heads * model.head_dim * block_size
                        * DTYPES[dtype].itemsize)
     pool_gb = max(0.05, 1.25 * sum(blocks) * bytes_per_block / 2**30)
     return Sizing(block_size=block_size, num_decode_blocks=num_decode,

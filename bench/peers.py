@@ -1,6 +1,7 @@
 """Peers on the SAME weights as our engine: `transformers`' `OPTForCausalLM` run with
-`generate` on static batches (left padding) and with its continuous-batching manager, and
-vLLM's CPU build (in its own virtualenv, through bench/vllm_driver.py).
+`generate` on static batches (left padding) and with its continuous-batching manager,
+vLLM's CPU build (in its own virtualenv, through bench/vllm_driver.py) and, for a GGUF
+model, llama.cpp on the file itself (llama-cpp-python, through bench/llamacpp_driver.py).
 
 Token times come from a streamer (static batches) or the manager's timestamps, turned into
 the same lifecycle events the engine emits, so bench.metrics treats both alike.
@@ -18,7 +19,9 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import safetensors.torch
 import torch
 import transformers
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -27,6 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 from aserve.engine.sequence import Event
 from bench.harness import OnFinish, RunResult
 from bench.workloads import Workload
+from models import registry
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM
 
@@ -254,10 +258,35 @@ def vllm_env(venv: Path, num_threads: int) -> dict[str, str]:
 
 def save_checkpoint(model: str, dtype: str, seed: int, folder: Path) -> Path:
     """The Hub layout of `model` (config.json + safetensors): a checkpoint directory as it
-    is, a preset's seeded weights written through transformers' `save_pretrained`."""
-    if Path(model).is_dir():
+    is, a GGUF file's dequantized tensors (`save_gguf_as_hf`), a preset's seeded weights
+    written through transformers' `save_pretrained`."""
+    source = registry.resolve(model)
+    if source.kind == "directory":
         return Path(model)
+    if source.kind == "gguf":
+        assert source.path is not None
+        return save_gguf_as_hf(Path(source.path), folder)
     build_hf_model(model, dtype, seed).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def save_gguf_as_hf(gguf_file: Path, folder: Path) -> Path:
+    """A GGUF file as a HF directory vLLM loads: the tensors the gguf library dequantizes
+    (float32, HF names and q/k order) as safetensors, a plain Llama-family config.json
+    (no quantization_config) and the tokenizer as tokenizer.json."""
+    from models import gguf_loader
+
+    config = gguf_loader.hf_config(gguf_file)
+    tensors = gguf_loader.read_tensors(gguf_file, config["num_attention_heads"],
+                                       config["num_key_value_heads"])
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"))
+    config = {**config, "hidden_act": "silu", "torch_dtype": "float32",
+              "head_dim": config["head_dim"] or (config["hidden_size"]
+                                                 // config["num_attention_heads"])}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer = gguf_loader.load_gguf_tokenizer(gguf_file)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
     return folder
 
 
@@ -280,16 +309,27 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
         spec = {"model": str(folder), "dtype": dtype,
                 "max_model_len": json.loads((folder / "config.json").read_text())[
                     "max_position_embeddings"],
-                "requests": [{"request_id": r.request_id, "prompt_token_ids": list(ids),
-                              "output_len": r.output_len,
-                              "arrival_time": r.arrival_time if realtime else 0.0}
-                             for r, ids in zip(workload.requests, prompts, strict=True)]}
+                "requests": _driver_requests(workload, prompts, realtime)}
         in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         in_path.write_text(json.dumps(spec))
         threads = torch.get_num_threads()
         _run_driver([str(python), str(VLLM_DRIVER), str(in_path), str(out_path)],
                     vllm_env(venv, threads), Path(tmp) / "driver.log")
         out = json.loads(out_path.read_text())
+    return _driver_result(workload, out, system, on_finish)
+
+
+def _driver_requests(workload: Workload, prompts: Sequence[list[int]], realtime: bool
+                     ) -> list[dict[str, Any]]:
+    """The requests of a driver's input JSON (arrivals at 0 unless `realtime`)."""
+    return [{"request_id": r.request_id, "prompt_token_ids": list(ids),
+             "output_len": r.output_len, "arrival_time": r.arrival_time if realtime else 0.0}
+            for r, ids in zip(workload.requests, prompts, strict=True)]
+
+
+def _driver_result(workload: Workload, out: dict[str, Any], system: str,
+                   on_finish: OnFinish | None) -> RunResult:
+    """A driver's output JSON as the harness's events and token ids."""
     events: list[Event] = []
     token_ids: dict[str, list[int]] = {}
     for req in workload.requests:
@@ -313,4 +353,40 @@ def _run_driver(argv: list[str], env: dict[str, str], log: Path) -> None:
             with contextlib.suppress(ProcessLookupError):  # the group is gone on success
                 os.killpg(proc.pid, signal.SIGKILL)
     if code != 0:
-        raise RuntimeError(f"vLLM driver exited with {code}:\n{log.read_text()[-4000:]}")
+        raise RuntimeError(f"{Path(argv[1]).stem} exited with {code}:\n"
+                           f"{log.read_text()[-4000:]}")
+
+
+LLAMACPP_DRIVER = Path(__file__).resolve().parent / "llamacpp_driver.py"
+
+
+def run_llamacpp(model: str, workload: Workload, prompts: Sequence[list[int]],
+                 realtime: bool = True, system: str = "llamacpp",
+                 on_finish: OnFinish | None = None, venv: Path = VLLM_VENV) -> RunResult:
+    """llama.cpp (llama-cpp-python, in the peers virtualenv) on the model's own GGUF file,
+    with the same prompt token ids, greedy, exactly `output_len` tokens per request, one
+    request at a time as its high-level API serves them (in arrival order).
+
+    Raises:
+        RuntimeError: the model is not a GGUF file, the virtualenv or its llama_cpp is
+            missing, or the driver failed.
+    """
+    source = registry.resolve(model)
+    if source.kind != "gguf" or source.path is None:
+        raise RuntimeError(f"system 'llamacpp' runs GGUF files; model {model!r} is not one")
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise RuntimeError(f"system 'llamacpp' needs llama-cpp-python in {venv}: run "
+                           "`make peers`")
+    with tempfile.TemporaryDirectory(prefix="aserve-llamacpp-") as tmp:
+        spec = {"model": source.path, "threads": torch.get_num_threads(),
+                "n_ctx": max(len(ids) + r.output_len
+                             for r, ids in zip(workload.requests, prompts, strict=True)) + 8,
+                "requests": _driver_requests(workload, prompts, realtime)}
+        in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        in_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
+        _run_driver([str(python), str(LLAMACPP_DRIVER), str(in_path), str(out_path)], env,
+                    Path(tmp) / "driver.log")
+        out = json.loads(out_path.read_text())
+    return _driver_result(workload, out, system, on_finish)

@@ -1,7 +1,9 @@
 """Attention over the paged KV cache: metadata, KV writes, `paged` and `padded` backends.
 
 Owns only tensor math. The KV cache tensor itself is owned by transport/ and passed in:
-`kv_cache: [num_blocks, num_layers, 2, block_size, num_heads, head_dim]` (block-major).
+`kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (block-major).
+Queries may have more heads than the cache (grouped-query attention): query head h reads
+KV head h // (num_heads / num_kv_heads), as transformers' `repeat_kv` lays them out.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import math
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -142,10 +145,10 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata, scale: float) -> Tensor:
         """Writes the new tokens' K/V into the cache (`write_kv`), then attends (`forward`).
 
-        q, k, v: `[num_tokens, num_heads, head_dim]`, possibly in a wider dtype than the
-        cache (float32 activations over a bf16 cache): they are then rounded to the cache's
-        dtype and the output widened back. Returns `[num_tokens, num_heads, head_dim]` in
-        q's dtype.
+        q: `[num_tokens, num_heads, head_dim]`; k, v: `[num_tokens, num_kv_heads,
+        head_dim]`; possibly in a wider dtype than the cache (float32 activations over a bf16
+        cache): they are then rounded to the cache's dtype and the output widened back.
+        Returns `[num_tokens, num_heads, head_dim]` in q's dtype.
         """
         write_kv(kv_cache, layer, k, v, meta.slot_mapping)
         if q.dtype == kv_cache.dtype:
@@ -177,7 +180,7 @@ class AttentionBackend(ABC):
             `[num_tokens, num_heads, head_dim]` attention output.
         """
         if meta.is_decode:
-            return self._decode(q, kv_cache, layer, _index(meta, kv_cache, None), scale)
+            return self._grouped_decode(q, kv_cache, layer, _index(meta, kv_cache, None), scale)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
         decode_seqs: list[int] = []
         start = 0
@@ -193,8 +196,25 @@ class AttentionBackend(ABC):
             # NOTE: a mixed batch runs its single-token sequences through the decode kernel.
             index = _index(meta, kv_cache, decode_seqs)
             rows_t = meta.query_start_loc[:-1].index_select(0, index.seq_ids)  # [num_decode]
-            out.index_copy_(0, rows_t, self._decode(q[rows_t], kv_cache, layer, index, scale))
+            out.index_copy_(0, rows_t, self._grouped_decode(q[rows_t], kv_cache, layer, index,
+                                                            scale))
         return out
+
+    def _grouped_decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                        scale: float) -> Tensor:
+        """`_decode` for any ratio of query heads to the cache's KV heads. With grouped
+        queries (GQA / MQA), the g query heads sharing a KV head become g rows of one
+        sequence each, so every decode kernel sees as many query heads as KV heads."""
+        num_seqs, num_heads, head_dim = q.shape
+        kv_heads = kv_cache.shape[4]
+        if num_heads == kv_heads:
+            return self._decode(q, kv_cache, layer, index, scale)
+        group = num_heads // kv_heads
+        rows = q.view(num_seqs, kv_heads, group, head_dim).transpose(1, 2).reshape(
+            num_seqs * group, kv_heads, head_dim)  # row s * group + i: heads j * group + i
+        out = self._decode(rows, kv_cache, layer, index.grouped(group), scale)
+        return out.view(num_seqs, group, kv_heads, head_dim).transpose(1, 2).reshape(
+            num_seqs, num_heads, head_dim)
 
     @abstractmethod
     def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
@@ -215,8 +235,9 @@ class PagedBackend(AttentionBackend):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
                meta: AttentionMetadata, scale: float) -> Tensor:
         """A decode batch runs the fused kernel, which also writes the K/V (no separate
-        pass over the cache); anything else, or no kernel, takes the default path."""
-        if meta.is_decode:
+        pass over the cache); anything else (grouped queries too), or no kernel, takes the
+        default path."""
+        if meta.is_decode and q.shape[1] == kv_cache.shape[4]:
             index = _index(meta, kv_cache, None)
             out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
                                        index.max_seq_len, scale, new_kv=(k, v))
@@ -282,8 +303,8 @@ class DecodeIndex:
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] long
     max_seq_len: int
     total_len: int  # sum of seq_lens
-    # NOTE: per-forward scratch (the CSR entries); not part of equality.
-    workspace: dict[str, CsrEntries] = field(default_factory=dict, compare=False, repr=False)
+    # NOTE: per-forward scratch (the CSR entries, grouped copies); not part of equality.
+    workspace: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, kv_cache: Tensor, seq_ids: list[int] | None
@@ -295,6 +316,18 @@ class DecodeIndex:
         tables = meta.block_tables if seq_ids is None else meta.block_tables[ids]
         seq_lens = meta.seq_lens if seq_ids is None else meta.seq_lens[ids]  # [num_seqs]
         return cls(ids, seq_lens, tables, max(lens), sum(lens))
+
+    def grouped(self, group: int) -> DecodeIndex:
+        """Each sequence `group` times in a row (built once): the index of grouped queries'
+        rows (`AttentionBackend._grouped_decode`)."""
+        key = f"group{group}"
+        index = self.workspace.get(key)
+        if index is None:
+            index = self.workspace[key] = DecodeIndex(
+                self.seq_ids.repeat_interleave(group), self.seq_lens.repeat_interleave(group),
+                self.block_tables.repeat_interleave(group, dim=0), self.max_seq_len,
+                self.total_len * group)
+        return index  # type: ignore[no-any-return]
 
     def entries(self, kv_cache: Tensor) -> CsrEntries:
         """The CSR entries of this batch in `kv_cache`'s geometry (built once)."""
@@ -403,6 +436,7 @@ def _prefill_one(
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, is_causal=q_len == s_len and q_len > 1, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )  # [num_heads, q_len, head_dim]
     return out.transpose(0, 1)
 

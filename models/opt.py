@@ -54,6 +54,11 @@ class OPTConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def num_kv_heads(self) -> int:
+        """K/V heads per layer (the KV cache's): OPT has one per query head."""
+        return self.num_heads
+
+    @property
     def has_final_layer_norm(self) -> bool:
         return self.do_layer_norm_before and not self.remove_final_layer_norm
 
@@ -232,7 +237,7 @@ def fit_matmuls_to(model: OPTForCausalLM, device: torch.device) -> bool:
     """On a CPU, switches `model` to prepacked float32 matmuls (`Float32Linear`) when its
     dtype is float32, or bf16/fp16 without a native GEMM (`has_half_matmul`); float64 and
     half precision with a native GEMM stay as they are. Returns whether it switched."""
-    dtype = model.model.decoder.embed_tokens.weight.dtype
+    dtype = next(model.parameters()).dtype  # the embedding table's (any family)
     if device.type != "cpu" or dtype == torch.float64 or (
             dtype != torch.float32 and has_half_matmul(dtype)):
         return False

@@ -105,6 +105,19 @@ class HFTokenizer:
         else:
             self._tokenizer = _byte_level_bpe(directory, bool(config.get("add_prefix_space")))
             config = {**GPT2_SPECIALS, **{k: v for k, v in config.items() if v is not None}}
+        self._setup(config, vocab_size, eos_token_id)
+
+    @classmethod
+    def from_parts(cls, tokenizer: tokenizers.Tokenizer, config: dict[str, Any],
+                   vocab_size: int = 0, eos_token_id: int = 2) -> HFTokenizer:
+        """A tokenizer built elsewhere (e.g. from a GGUF vocabulary) plus a
+        tokenizer_config-like dict (special tokens, added tokens, add_bos_token)."""
+        self = cls.__new__(cls)
+        self._tokenizer = tokenizer
+        self._setup({"added_tokens_json": {}, **config}, vocab_size, eos_token_id)
+        return self
+
+    def _setup(self, config: dict[str, Any], vocab_size: int, eos_token_id: int) -> None:
         _add_tokens(self._tokenizer, config)
         eos_id, bos_id = (self._token_id(config.get(k)) for k in ("eos_token", "bos_token"))
         self.eos_token_id: int = eos_token_id if eos_id is None else eos_id
@@ -115,6 +128,11 @@ class HFTokenizer:
         if ("add_bos_token" in config or "add_eos_token" in config
                 or self._tokenizer.post_processor is None):
             self._tokenizer.post_processor = _template(config, bos_id, eos_id)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object (e.g. to save it as tokenizer.json)."""
+        return self._tokenizer
 
     def _token_id(self, token: object) -> int | None:
         content = _content(token)
@@ -129,7 +147,8 @@ class HFTokenizer:
 
 def load_tokenizer(source: str | Path | None, vocab_size: int, eos_token_id: int = 2,
                    bos_token_id: int | None = 2) -> Tokenizer:
-    """The tokenizer in directory `source`, or the byte-level one for None or "bytes".
+    """The tokenizer in directory `source` or GGUF file `source`, or the byte-level one for
+    None or "bytes".
 
     Raises:
         ValueError: `source` is not a directory, or holds no tokenizer files.
@@ -137,8 +156,13 @@ def load_tokenizer(source: str | Path | None, vocab_size: int, eos_token_id: int
     if source is None or str(source) == BYTES:
         return ByteTokenizer(vocab_size, eos_token_id, bos_token_id)
     directory = Path(source)
+    if directory.suffix == ".gguf" and directory.is_file():
+        from models.gguf_loader import load_gguf_tokenizer  # the gguf library, on demand
+
+        return load_gguf_tokenizer(directory, vocab_size, eos_token_id)
     if not directory.is_dir():
-        raise ValueError(f"tokenizer {str(source)!r} is neither {BYTES!r} nor a directory")
+        raise ValueError(f"tokenizer {str(source)!r} is neither {BYTES!r}, a directory nor "
+                         f"a .gguf file")
     if (directory / TOKENIZER_JSON).is_file() or all((directory / f).is_file() for f in BPE_FILES):
         return HFTokenizer(directory, vocab_size, eos_token_id)
     raise ValueError(

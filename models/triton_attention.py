@@ -57,8 +57,9 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         layer_offset, v_offset, stride_block, stride_token,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-        NUM_HEADS: tl.constexpr, LPT: tl.constexpr):
-    """One program per (sequence, head) walks all of that sequence's blocks (unbalanced).
+        NUM_HEADS: tl.constexpr, LPT: tl.constexpr, GROUP: tl.constexpr):
+    """One program per (sequence, head) walks all of that sequence's blocks (unbalanced);
+    query head `head` reads KV head `head // GROUP` (grouped-query attention).
 
     Batch order: a (num_seqs, num_heads) grid, program (seq, head). LPT: a 1-D grid whose
     program i takes the (i // NUM_HEADS)-th longest sequence (`order_ptr`, a permutation)
@@ -79,7 +80,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     q = q.to(tl.float32) * scale
     acc, m, s_sum = _attend_range(q, kv_ptr, tables_ptr + seq * stride_table, 0, seq_len,
                                   seq_len, layer_offset, v_offset, stride_block, stride_token,
-                                  head * HEAD_DIM, d, d_mask, BLOCK_D, BLOCK_SIZE, TILE)
+                                  (head // GROUP) * HEAD_DIM, d, d_mask, BLOCK_D, BLOCK_SIZE,
+                                  TILE)
     out = acc / s_sum
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -91,8 +93,9 @@ def _split_kernel(  # type: ignore[no-untyped-def]
         chunk_tokens, stride_qs, stride_qh, stride_table,
         layer_offset, v_offset, stride_block, stride_token,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
-    """One program per (sequence, head, chunk): a partial softmax over one chunk of blocks."""
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr):
+    """One program per (sequence, head, chunk): a partial softmax over one chunk of blocks.
+    Query head `head` reads KV head `head // GROUP` (grouped-query attention)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -106,8 +109,8 @@ def _split_kernel(  # type: ignore[no-untyped-def]
         q = q.to(tl.float32) * scale
         acc, m, s_sum = _attend_range(q, kv_ptr, tables_ptr + seq * stride_table, start, end,
                                       seq_len, layer_offset, v_offset, stride_block,
-                                      stride_token, head * HEAD_DIM, d, d_mask, BLOCK_D,
-                                      BLOCK_SIZE, TILE)
+                                      stride_token, (head // GROUP) * HEAD_DIM, d, d_mask,
+                                      BLOCK_D, BLOCK_SIZE, TILE)
         part = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + chunk
         tl.store(part_acc_ptr + part * BLOCK_D + d, acc)
         tl.store(part_ml_ptr + part * 2, m)
@@ -184,7 +187,7 @@ class TritonDecodeBackend(PagedBackend):
             *_cache_strides(kv_cache, layer),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=kv_cache.shape[3], TILE=TILE_TOKENS, NUM_HEADS=num_heads,
-            LPT=self.longest_first)
+            LPT=self.longest_first, GROUP=num_heads // kv_cache.shape[4])
 
 
 class TritonLongestFirstBackend(TritonDecodeBackend):
@@ -221,7 +224,8 @@ class TritonSplitKBackend(TritonDecodeBackend):
             part_acc, part_ml, q, kv_cache, meta.block_tables, meta.seq_lens, scale,
             chunk_tokens, q.stride(0), q.stride(1), meta.block_tables.stride(0),
             *_cache_strides(kv_cache, layer),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE=TILE_TOKENS)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE=TILE_TOKENS,
+            GROUP=num_heads // kv_cache.shape[4])
         _merge_kernel[(num_seqs, num_heads)](
             out, part_acc, part_ml, meta.seq_lens, chunk_tokens, num_chunks,
             out.stride(0), out.stride(1),

@@ -32,19 +32,28 @@ NUM_POSITIONS = 2050  # OPT's learned position table (2048 + its offset of 2)
 
 @dataclass(frozen=True, slots=True)
 class ModelGeometry:
-    """The shapes that set an OPT model's bytes and FLOPs."""
+    """The shapes that set a decoder's bytes and FLOPs (OPT's by default; the Llama family
+    sets `num_kv_heads`, `gated_mlp`, no position table and its own LM head)."""
 
     name: str
     num_layers: int
     hidden_size: int
-    num_heads: int
+    num_heads: int  # query heads
     ffn_dim: int
     vocab_size: int = 50272
     embed_dim: int = 0  # word_embed_proj_dim; 0 means hidden_size
+    num_kv_heads: int = 0  # K/V heads (grouped-query attention); 0 means num_heads
+    gated_mlp: bool = False  # three MLP matrices (gate, up, down) instead of two
+    num_positions: int = NUM_POSITIONS  # rows of a learned position table (0: rotary)
+    tied_embeddings: bool = True  # the LM head is the embedding table
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @property
     def proj_dim(self) -> int:
@@ -52,15 +61,19 @@ class ModelGeometry:
 
     @property
     def layer_params(self) -> int:
-        """Matmul weights of one decoder layer (attention 4 h^2, MLP 2 h ffn)."""
+        """Matmul weights of one decoder layer (attention: q and o h^2 each, k and v
+        h * kv_heads * head_dim each; MLP: 2 or 3 h ffn)."""
         h = self.hidden_size
-        return 4 * h * h + 2 * h * self.ffn_dim
+        kv = self.kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kv + (3 if self.gated_mlp else 2) * h * self.ffn_dim
 
     @property
     def num_params(self) -> int:
         h, e = self.hidden_size, self.proj_dim
         proj = 2 * h * e if e != h else 0
-        return self.num_layers * self.layer_params + self.vocab_size * e + NUM_POSITIONS * h + proj
+        heads = 1 if self.tied_embeddings else 2  # embedding table, plus an untied LM head
+        return (self.num_layers * self.layer_params + heads * self.vocab_size * e
+                + self.num_positions * h + proj)
 
     @property
     def dense_flops_per_token(self) -> float:
@@ -74,8 +87,8 @@ class ModelGeometry:
         return 2.0 * self.proj_dim * self.vocab_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token over all layers (bytes)."""
-        return 2 * self.num_layers * self.hidden_size * dtype_bytes
+        """K and V of one token over all layers (bytes): KV heads only."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
 GEOMETRIES: dict[str, ModelGeometry] = {
@@ -89,12 +102,20 @@ GEOMETRIES: dict[str, ModelGeometry] = {
         ModelGeometry("opt-13b", 40, 5120, 40, 20480),
         ModelGeometry("opt-30b", 48, 7168, 56, 28672),
         ModelGeometry("opt-66b", 64, 9216, 72, 36864),
+        *(ModelGeometry(name, layers, hidden, heads, ffn, vocab_size=vocab, num_kv_heads=kv,
+                        gated_mlp=True, num_positions=0, tied_embeddings=tied)
+          for name, layers, hidden, heads, kv, ffn, vocab, tied in (
+              ("llama-7b", 32, 4096, 32, 32, 11008, 32000, False),
+              ("llama-13b", 40, 5120, 40, 40, 13824, 32000, False),
+              ("llama3-8b", 32, 4096, 32, 8, 14336, 128256, False),
+              ("smollm2-135m", 30, 576, 9, 3, 1536, 49152, True))),
     )
 }
 
 
 def get_geometry(name: str) -> ModelGeometry:
-    """The geometry of the OPT model `name`. Raises ValueError if unknown."""
+    """The geometry of the model `name` (OPT or Llama family). Raises ValueError if
+    unknown."""
     geometry = GEOMETRIES.get(name.lower())
     if geometry is None:
         raise ValueError(f"model ({name!r}) must be one of {sorted(GEOMETRIES)}")

@@ -1,7 +1,7 @@
 """Every configuration object of the engine.
 
 Configs are frozen msgspec Structs validated on construction; derived values are properties.
-`models/` never sees these: it gets an `OPTConfig` only.
+`models/` never sees these: it gets a model name and a dtype only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Which weights to run and how."""
 
-    model: str = "opt-125m"  # a preset name (see models.opt) or an HF checkpoint directory
+    model: str = "opt-125m"  # a preset or packaged model (models.registry), an HF checkpoint
+    # directory or a .gguf file
     dtype: str = "float32"  # one of DTYPES
     attention: str = "paged"  # decode attention backend, one of ATTENTION_BACKENDS
     max_position_embeddings: int | None = None  # extend a preset's position table (tokens)

@@ -84,7 +84,7 @@ class DecodeGraphs:
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch_size) + (
             bucket_at_least(max_batch_size, BATCH_BUCKETS) or max_batch_size,)
         self.use_graphs = use_graphs
-        dtype = model.model.decoder.embed_tokens.weight.dtype
+        dtype = next(model.parameters()).dtype  # the embedding table's (any family)
         self.is_enabled = backend.name in GRAPH_BACKENDS and dtype in GRAPH_DTYPES
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.graphs: dict[tuple[int, ...], _Graph] = {}
@@ -140,7 +140,7 @@ def _static_graph(model: OPTForCausalLM, kv_cache: Tensor, batch: int, width: in
         block_tables=longs((batch, width), PAD_BLOCK_ID),  # [batch, width]
         query_lens_list=[1] * batch, seq_lens_list=[1] * batch, block_size=block_size)
     proj_dim = model.config.word_embed_proj_dim
-    dtype = model.model.decoder.embed_tokens.weight.dtype
+    dtype = next(model.parameters()).dtype  # the embedding table's (any family)
     hidden = torch.zeros(batch, proj_dim, dtype=dtype, device=device)  # [batch, proj_dim]
     return _Graph(longs((batch,), 0), longs((batch,), 0), meta, hidden, None)
 

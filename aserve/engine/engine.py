@@ -36,6 +36,7 @@ from aserve.engine.sequence import (
 )
 from aserve.engine.step_probe import EngineStepCost, probe
 from models.loader import resolve_dtype
+from models.registry import checkpoint_path
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from scheduler import PolicyConfig, get_policy, tree_range
 from transport.kv import KVGeometry
@@ -85,13 +86,13 @@ class Engine:
             runners[dev] = await asyncio.to_thread(
                 self._runner_factory, cfg.model, torch.device(dev), cfg.cache.block_size)
         model_config = next(iter(runners.values())).model_config
-        default_source = None if model_config_is_preset(cfg.model.model) else cfg.model.model
+        default_source = checkpoint_path(cfg.model.model)
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer or default_source,
             model_config.vocab_size, model_config.eos_token_id, model_config.bos_token_id)
         max_len = min(model_config.max_position_embeddings,  # a checkpoint capped by config
                       cfg.model.max_position_embeddings or model_config.max_position_embeddings)
-        geometry = KVGeometry(model_config.num_layers, model_config.num_heads,
+        geometry = KVGeometry(model_config.num_layers, model_config.num_kv_heads,
                               model_config.head_dim, cfg.cache.block_size,
                               resolve_dtype(cfg.model.dtype))
         sched = cfg.scheduler
@@ -391,7 +392,8 @@ def _output(seq: SeqState, detok: IncrementalDetokenizer, reason: str | None,
 
 
 def model_config_is_preset(model: str) -> bool:
-    return model.startswith("opt-") and "/" not in model
+    """Whether `model` is a random-weight preset (no checkpoint, byte-level tokenizer)."""
+    return checkpoint_path(model) is None
 
 
 __all__ = ["Engine"]

@@ -28,6 +28,7 @@ import torch
 from aserve.engine.runner import ModelRunner, WorkItem
 from aserve.engine.sequence import IterationRecord
 from models.backends import ATTENTION_KERNELS
+from models.llama import LlamaConfig
 from models.opt import OPTConfig
 from scheduler import ceil_div
 from scheduler.calibrate import fit, record_lengths
@@ -62,12 +63,17 @@ class EngineStepCost:
     engine's iteration records, a list the engine keeps appending to and trims) on a worker
     thread; a refit's model is taken at the first call after it is done."""
 
-    def __init__(self, model: OPTConfig, attention: str, device: str, dtype_bytes: int,
-                 records: list[IterationRecord],
+    def __init__(self, model: OPTConfig | LlamaConfig, attention: str, device: str,
+                 dtype_bytes: int, records: list[IterationRecord],
                  probed: Sequence[IterationRecord | Mapping[str, object]] = ()) -> None:
-        self.geometry = ModelGeometry(
+        geometry = ModelGeometry(
             "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
-            vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim)
+            vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim,
+            num_kv_heads=model.num_kv_heads)
+        if isinstance(model, LlamaConfig):  # rotary positions, a gated MLP, maybe an LM head
+            geometry = dataclasses.replace(geometry, gated_mlp=True, num_positions=0,
+                                           tied_embeddings=model.tie_word_embeddings)
+        self.geometry = geometry
         self.kernel = kernel_kind(ATTENTION_KERNELS[attention])
         self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
                                             dtype_bytes=dtype_bytes)

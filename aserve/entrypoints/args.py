@@ -28,8 +28,9 @@ ENV_PREFIX = "ASERVE_"
 
 ENGINE_HELP: dict[str, str] = {  # every engine config field's option help (default added)
     # ModelConfig
-    "model": "a preset with random weights ({presets}) or a checkpoint directory "
-             "(config.json, weights, tokenizer files)",
+    "model": "a trained model installed as a package ({packaged}), a preset with random "
+             "weights ({presets}), a checkpoint directory (OPT, Llama, Mistral or Qwen2: "
+             "config.json, weights, tokenizer files) or a .gguf file (Llama family)",
     "dtype": "weights and KV cache dtype",
     "attention": "decode attention backend",
     "max_position_embeddings": "context limit in tokens: extends a preset's position table, "
@@ -139,13 +140,16 @@ def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     """Adds an option per engine config field (`engine_fields`); each defaults to its
     ASERVE_* variable, else the field's default. Raises KeyError naming a field without
     help."""
-    from models.opt import PRESETS
+    from models.registry import PACKAGED_MODELS, preset_names
     from scheduler import POLICIES
+
+    random_presets = [n for n in preset_names() if n not in PACKAGED_MODELS]
 
     choices: dict[str, Sequence[str]] = {"dtype": DTYPES, "attention": ATTENTION_BACKENDS,
                                          "policy": sorted(POLICIES)}
     for name, (default, annotation) in engine_fields().items():
-        help_text = ENGINE_HELP[name].format(presets=", ".join(PRESETS))
+        help_text = ENGINE_HELP[name].format(packaged=", ".join(PACKAGED_MODELS),
+                                             presets=", ".join(random_presets))
         flags = [*filter(None, [ENGINE_ALIASES.get(name)]), "--" + name.replace("_", "-")]
         kwargs: dict[str, object] = {"dest": name, "help": help_text,
                                      "default": _env_default(name, default, env)}

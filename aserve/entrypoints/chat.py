@@ -188,7 +188,8 @@ class ChatTemplate:
 
 def load_chat_template(name_or_file: str | None, model_dir: str | None) -> ChatTemplate | None:
     """`--chat-template` (a built-in NAME or a FILE), else the checkpoint's own template
-    (chat_template.jinja, chat_template.json or tokenizer_config.json), else None.
+    (chat_template.jinja, chat_template.json or tokenizer_config.json; a GGUF file's
+    `tokenizer.chat_template`), else None.
 
     Raises:
         ValueError: `name_or_file` is neither a built-in name nor a readable file.
@@ -202,7 +203,9 @@ def load_chat_template(name_or_file: str | None, model_dir: str | None) -> ChatT
             raise ValueError(f"chat_template ({name_or_file!r}) is neither a file nor one of: "
                              + ", ".join(CHAT_TEMPLATES))
         return ChatTemplate(path.read_text(encoding="utf-8"), special)
-    source = _checkpoint_template(Path(model_dir)) if model_dir is not None else None
+    source = None if model_dir is None else (
+        _gguf().chat_template(model_dir) if model_dir.endswith(".gguf")
+        else _checkpoint_template(Path(model_dir)))
     return None if source is None else ChatTemplate(source, special)
 
 
@@ -221,9 +224,19 @@ def _checkpoint_template(directory: Path) -> str | None:
     return None
 
 
+def _gguf():  # type: ignore[no-untyped-def]
+    """models.gguf_loader, imported on demand (it loads the gguf library and torch)."""
+    from models import gguf_loader
+
+    return gguf_loader
+
+
 def _special_tokens(model_dir: str | None) -> dict[str, str]:
-    """bos/eos/unk/pad token strings the template may use, from tokenizer_config.json."""
+    """bos/eos/unk/pad token strings the template may use, from tokenizer_config.json (or a
+    GGUF file's metadata)."""
     tokens = dict(OPT_SPECIAL_TOKENS)
+    if model_dir is not None and model_dir.endswith(".gguf"):
+        return {**tokens, **_gguf().special_tokens(model_dir)}
     path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
     if path is None or not path.is_file():
         return tokens

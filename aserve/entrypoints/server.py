@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aserve.engine.config import EngineConfig, ServerConfig
-from aserve.engine.engine import Engine, model_config_is_preset
+from aserve.engine.engine import Engine
 from aserve.engine.errors import EngineError, EngineOverloaded
 from aserve.entrypoints import guard
 from aserve.entrypoints.batch_run import BatchRun, admit, best_samples, choice_builders
@@ -48,6 +48,7 @@ from aserve.entrypoints.protocol import (
     now,
     openapi_document,
 )
+from models.registry import checkpoint_path
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds a client is told to wait after a 503 or a 429
@@ -401,8 +402,9 @@ def _version() -> str:
 
 
 def _checkpoint_dir(model: str) -> str | None:
-    """The model's directory (where a chat template may be), None for a preset."""
-    return None if model_config_is_preset(model) else model
+    """The model's directory or GGUF file (where a chat template may be), None for a
+    random-weight preset."""
+    return checkpoint_path(model)
 
 
 # -- the process ---------------------------------------------------------------------------

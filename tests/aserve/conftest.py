@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.engine.config import EngineConfig, ServerConfig
+from aserve.engine.engine import Engine
 from tests.conftest import make_config
 
 API_KEY = "test-key"
@@ -41,10 +42,11 @@ async def server_client(max_body_bytes: int) -> AsyncIterator[TestClient]:
 class LiveServer:
     """`create_app` served by `AppRunner` + `TCPSite(port=0)` on a thread with its own loop."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 engine: Engine | None = None) -> None:
         from aserve.entrypoints.server import create_app
 
-        self.app = create_app(engine_config, server_config)
+        self.app = create_app(engine_config, server_config, engine)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="live-server",
                                        daemon=True)

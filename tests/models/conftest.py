@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from models.attention import AttentionMetadata, gather_seq_kv, get_backend
+from models.llama import LlamaForCausalLM
 from models.opt import OPTForCausalLM
 
 BLOCK_SIZE = 4  # tokens per block: tiny so that sequences cross many block boundaries
@@ -44,11 +45,14 @@ def make_block_tables(max_lens: list[int], block_size: int = BLOCK_SIZE, seed: i
 
 def dense_reference(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain float64 causal attention, one sequence at a time: the test oracle."""
+    """Plain float64 causal attention, one sequence at a time: the test oracle. Query head h
+    reads KV head h // (query heads / the cache's KV heads)."""
     out = torch.empty(q.shape, dtype=torch.float64)  # [num_tokens, num_heads, head_dim]
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         k, v = gather_seq_kv(kv_cache, layer, meta.block_tables[i], s_len)
+        group = q.shape[1] // k.shape[1]  # query heads per KV head (transformers' repeat_kv)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].double(), k.double())
         pos = torch.arange(s_len)  # [s_len]
         visible = pos[None, :] <= pos[s_len - q_len:, None]  # [q_len, s_len]
@@ -66,15 +70,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 class PagedRunner:
     """Drives a model over its own paged cache: packed prefill, chunks, batched decode."""
 
-    def __init__(self, model: OPTForCausalLM, max_lens: list[int], backend: str = "paged",
-                 block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, model: OPTForCausalLM | LlamaForCausalLM, max_lens: list[int],
+                 backend: str = "paged", block_size: int = BLOCK_SIZE) -> None:
         cfg = model.config
-        dtype = model.model.decoder.embed_tokens.weight.dtype
+        dtype = next(model.parameters()).dtype
         self.model, self.block_size = model, block_size
         self.backend = get_backend(backend)
         self.tables, num_blocks = make_block_tables(max_lens, block_size)
-        self.kv_cache = make_kv_cache(num_blocks, cfg.num_layers, cfg.num_heads, cfg.head_dim,
-                                      dtype, block_size)
+        self.kv_cache = make_kv_cache(num_blocks, cfg.num_layers, cfg.num_kv_heads,
+                                      cfg.head_dim, dtype, block_size)
         self.lens = [0] * len(max_lens)
 
     def step(self, new_tokens: dict[int, list[int]]) -> list[torch.Tensor]:

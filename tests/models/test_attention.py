@@ -186,3 +186,25 @@ def test_attend_over_a_narrower_cache_matches_the_cache_dtype_path(
         assert out.dtype == torch.float32
         assert torch.equal(kv_cache, want_cache)
         assert rel_err(out, dense_reference(q, want_cache, 1, meta, SCALE)) < 2e-2
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize(("kv_heads", "heads"), [(2, 6), (2, 8), (1, 8), (1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_query_heads_read_their_kv_head(backend: str, kv_heads: int, heads: int,
+                                                dtype: torch.dtype) -> None:
+    """GQA / MQA: a cache of `kv_heads` heads; decode, prefill and mixed steps match the
+    oracle, which repeats each KV head for its group of query heads."""
+    lens, query_lens = [1, 9, 40, 200, 333], [1, 9, 1, 5, 1]
+    tables, num_blocks = make_block_tables(lens, 4)
+    kv_cache = make_kv_cache(num_blocks, NUM_LAYERS, kv_heads, HEAD_DIM, dtype, 4)
+    g = torch.Generator().manual_seed(heads)
+    for q_lens in ([1] * len(lens), query_lens):
+        meta = AttentionMetadata.build(q_lens, lens, tables, 4, "cpu")
+        q = torch.randn(sum(q_lens), heads, HEAD_DIM, generator=g).to(dtype)
+        k, v = (torch.randn(sum(q_lens), kv_heads, HEAD_DIM, generator=g).to(dtype)
+                for _ in range(2))
+        out = get_backend(backend).attend(q, k, v, kv_cache, 1, meta, SCALE)
+        assert out.shape == q.shape
+        ref = dense_reference(q, kv_cache, 1, meta, SCALE)
+        assert rel_err(out.double(), ref) < (1e-12 if dtype == torch.float64 else 1e-5)

@@ -93,7 +93,7 @@ def test_byte_tokenizer_only_for_presets_or_when_asked(tmp_path: Path) -> None:
     assert tokenizer.decode(tokenizer.encode("ok")) == "ok"
     with pytest.raises(ValueError, match=f"{tmp_path} has no tokenizer files .*--tokenizer"):
         load_tokenizer(tmp_path, vocab_size=300)
-    with pytest.raises(ValueError, match="'nowhere' is neither 'bytes' nor a directory"):
+    with pytest.raises(ValueError, match="'nowhere' is neither 'bytes', a directory nor a"):
         load_tokenizer("nowhere", vocab_size=300)
 
 

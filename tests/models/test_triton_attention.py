@@ -26,7 +26,7 @@ from models.triton_attention import (
     _split_kernel,
     split_plan,
 )
-from tests.models.conftest import make_block_tables, make_kv_cache, rel_err
+from tests.models.conftest import dense_reference, make_block_tables, make_kv_cache, rel_err
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_HEADS = 2
@@ -43,6 +43,7 @@ CASES = {  # case id -> (dtype, block_size, head_dim, seed)
     "bfloat16-bs32-d32": ("bfloat16", 32, 32, 3),
 }
 BACKENDS = ("triton", "triton-lpt", "triton-splitk")
+GQA_HEADS = ((2, 6), (1, 4))  # (KV heads, query heads): grouped-query and multi-query
 
 
 def case_inputs(dtype: str, block_size: int, head_dim: int, seed: int
@@ -73,7 +74,23 @@ def interpreter_results() -> dict[str, object]:
                                          "shape": list(out.shape)}
         # Longest-first changes which program runs when, never what one computes.
         results[f"lpt-equal/{case}"] = torch.equal(outs["triton-lpt"], outs["triton"])
+    for kv_heads, heads in GQA_HEADS:
+        q, kv_cache, meta = gqa_inputs(kv_heads, heads)
+        ref = dense_reference(q, kv_cache, 1, meta, SCALE)
+        for name in BACKENDS:
+            out = get_backend(name).forward(q, kv_cache, 1, meta, SCALE)
+            results[f"{name}/gqa{heads}x{kv_heads}"] = rel_err(out.double(), ref)
     return results
+
+
+def gqa_inputs(kv_heads: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A float32 decode batch whose queries have `heads` heads over `kv_heads` KV heads."""
+    lens = [1, 17, MIN_CHUNK_TOKENS + 1, 300]
+    tables, num_blocks = make_block_tables(lens, 16)
+    kv_cache = make_kv_cache(num_blocks, 2, kv_heads, 32, block_size=16)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16, "cpu")
+    q = torch.randn(len(lens), heads, 32, generator=torch.Generator().manual_seed(heads))
+    return q, kv_cache, meta
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +118,15 @@ def test_kernel_matches_paged_reference(interpreted: dict[str, object], backend:
     assert result["dtype"] == str(DTYPES[dtype])
     assert result["shape"] == [len(BOUNDARY_LENS) + 3, NUM_HEADS, head_dim]
     assert result["err"] < TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("heads", GQA_HEADS, ids=lambda h: f"{h[1]}q-{h[0]}kv")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_reads_each_query_heads_kv_head(interpreted: dict[str, object], backend: str,
+                                               heads: tuple[int, int]) -> None:
+    """Grouped queries: query head h attends KV head h // (heads / kv_heads)."""
+    err = interpreted[f"{backend}/gqa{heads[1]}x{heads[0]}"]
+    assert isinstance(err, float) and err < 1e-5
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -153,10 +179,11 @@ ARG_TYPES = {  # kernel argument -> Triton type, as a launch on fp16 tensors spe
 
 @pytest.mark.parametrize(("kernel", "constants"), [
     (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
-                          NUM_HEADS=40, LPT=False)),
+                          NUM_HEADS=40, LPT=False, GROUP=1)),
     (_decode_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
-                          NUM_HEADS=40, LPT=True)),
-    (_split_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS)),
+                          NUM_HEADS=40, LPT=True, GROUP=5)),  # grouped-query heads
+    (_split_kernel, dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_SIZE=16, TILE=TILE_TOKENS,
+                         GROUP=4)),
     (_merge_kernel, dict(HEAD_DIM=80, BLOCK_D=128, CHUNKS_P2=MAX_CHUNKS)),
 ], ids=["decode", "decode-lpt", "split", "merge"])
 def test_kernel_compiles_for_hopper_without_a_gpu(kernel: object, constants: dict[str, int]
