@@ -32,17 +32,26 @@ ROW = re.compile(r"^\s*(\S.*?)\s+(-?[\d.]+)%\s+([\d.]+)(us|ms|s)\s")
 UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
+def operators(table: str) -> list[tuple[str, float]]:
+    """(operator, self CPU ms) of each row of a `key_averages().table()` text."""
+    rows = []
+    for line in table.splitlines():
+        match = ROW.match(line)
+        if match is not None and not line.lstrip().startswith(("Name", "---")):
+            rows.append((match.group(1), float(match.group(3)) * UNIT[match.group(4)]))
+    return rows
+
+
+def part_of(name: str) -> str:
+    return next((p for p, pattern in PARTS if re.search(pattern, name)), "other ops")
+
+
 def split_table(table: str) -> tuple[dict[str, float], float]:
     """Milliseconds of self CPU time per part from a `key_averages().table()` text, and
     the total it reports."""
     parts: dict[str, float] = {}
-    for line in table.splitlines():
-        match = ROW.match(line)
-        if match is None or line.lstrip().startswith(("Name", "---")):
-            continue
-        name, ms = match.group(1), float(match.group(3)) * UNIT[match.group(4)]
-        part = next((p for p, pattern in PARTS if re.search(pattern, name)), "other ops")
-        parts[part] = parts.get(part, 0.0) + ms
+    for name, ms in operators(table):
+        parts[part_of(name)] = parts.get(part_of(name), 0.0) + ms
     total = re.search(r"Self CPU time total:\s*([\d.]+)(us|ms|s)", table)
     return parts, float(total.group(1)) * UNIT[total.group(2)] if total else sum(parts.values())
 
@@ -127,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
         parts, total = split_table(r["table"])
         cells = " | ".join(f"{parts.get(n, 0.0) * 100 / total:.0f}" for n in names)
         print(f"| {phase} | {batch} | {length} | {total / r['steps']:.1f} | {cells} |")
+    for key, r in results.items():  # what "other ops" holds
+        other = sorted(((ms, name) for name, ms in operators(r["table"])
+                        if part_of(name) == "other ops"), reverse=True)[:6]
+        total = split_table(r["table"])[1]
+        print(f"{key} other ops: "
+              + ", ".join(f"{name} {ms * 100 / total:.0f} %" for ms, name in other))
 
 
 if __name__ == "__main__":
