@@ -64,7 +64,7 @@ def inner(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True,
-              max_model_len=spec["max_model_len"], seed=0,
+              max_model_len=spec["max_model_len"], seed=0, enable_prefix_caching=False,
               profiler_config={"profiler": "torch", "torch_profiler_dir": str(out / "trace"),
                                "torch_profiler_with_stack": False})
 
