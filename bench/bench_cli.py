@@ -31,6 +31,7 @@ from bench.harness import (
 )
 from bench.metrics import DEFAULT_TPOT_SLO, Summary, median_summary, request_metrics
 from bench.workloads import WORKLOADS, Workload, load_workload
+from models import cpu_isa
 
 # static `generate` batches, continuous batching, vLLM's CPU build (its own virtualenv:
 # `make peers`), llama.cpp on a GGUF model's file (llama-cpp-python in that virtualenv)
@@ -199,7 +200,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"config": config, "results": rows, "runs": each}
     out.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
-    tables = "\n".join(f"### {r.workload.name}\n\n" + markdown(r.summaries)
+    tables = "\n".join(f"### {r.workload.name}\n\nCPU: {machine()}\n\n"
+                       + markdown(r.summaries)
                        + (f"\n{spread(r)}" if args.repeats > 1 else "") for r in runs)
     out.with_suffix(".md").write_text(tables)
     log_dir = Path(args.iterations) if args.iterations else out.with_suffix(".iterations")
@@ -261,7 +263,8 @@ def forward_split(result: RunResult) -> tuple[float, float, int]:
 
 
 def machine() -> str:
-    return f"{os.cpu_count()}-core CPU (shared)"
+    """The CPU, as every table names it: cores and the instruction sets in use."""
+    return f"{os.cpu_count()}-core CPU (shared), {cpu_isa.describe()}"
 
 
 def write_plots(folder: Path, runs: Sequence[WorkloadRun], args: argparse.Namespace,

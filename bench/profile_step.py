@@ -12,6 +12,7 @@ LM head and sampler); the engine itself carries no profiling code. Prints a Mark
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -25,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import aserve.engine.runner as runner_module
 from aserve.engine.config import ModelConfig
-from aserve.engine.runner import ModelRunner, WorkItem
+from aserve.engine.runner import ModelRunner, PenaltySettings, WorkItem
+from models import cpu_isa
 from models.opt import Float32Linear, OPTAttention
 
 BLOCK_SIZE = 16  # tokens per KV block
@@ -33,17 +35,32 @@ PARTS = ("linear", "lm_head", "attention", "sampler", "metadata")  # labelled ra
 COPY_OPS = ("aten::copy_", "aten::index_copy_", "aten::clone", "aten::cat", "aten::contiguous")
 
 
-def work(batch: int, context: int, phase: str, vocab: int) -> tuple[list[WorkItem], int]:
+def work(batch: int, context: int, phase: str, vocab: int, penalties: bool = False
+         ) -> tuple[list[WorkItem], int]:
     """`batch` sequences of `context` cached tokens taking one decode token each, or
-    `batch` prompts of `context` tokens; returns the items and the KV blocks they need."""
+    `batch` prompts of `context` tokens; returns the items and the KV blocks they need.
+    With `penalties`, every sequence asks for presence, frequency and repetition penalties
+    over its `context` tokens (the last eighth of them its output)."""
     per_seq = -(-(context + 1) // BLOCK_SIZE)
     items = []
     for i in range(batch):
         table = list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
-        ids = [(7 * i + j) % (vocab - 4) + 4 for j in range(context if phase == "prefill" else 1)]
+        seen = [(7 * i + 13 * j * j) % (vocab - 4) + 4 for j in range(context + 1)]
+        ids = seen[:context] if phase == "prefill" else seen[-1:]
         start = 0 if phase == "prefill" else context
-        items.append(WorkItem(ids, start, table, True, 0.0, 1.0, -1, None, 0))
+        settings = (PenaltySettings(0.5, 0.5, 1.1, (), seen, context - context // 8)
+                    if penalties else None)
+        items.append(WorkItem(ids, start, table, True, 0.0, 1.0, -1, None, 0, settings))
     return items, 1 + batch * per_seq
+
+
+def grow(items: list[WorkItem]) -> None:
+    """Appends a token to each penalised sequence, as a decode step's output would."""
+    for item in items:
+        if item.penalties is not None:
+            tokens = item.penalties.token_ids
+            assert isinstance(tokens, list)
+            tokens.append(tokens[-1])
 
 
 @contextmanager
@@ -103,15 +120,17 @@ def split(prof: profile, wall_ms: float) -> dict[str, float]:
 
 
 def profile_step(runner: ModelRunner, batch: int, context: int, phase: str,
-                 repeats: int) -> tuple[float, dict[str, float]]:
+                 repeats: int, penalties: bool = False) -> tuple[float, dict[str, float]]:
     """Median wall ms of `repeats` steps, and the split of one profiled step."""
-    items, num_blocks = work(batch, context, phase, runner.model_config.vocab_size)
+    items, num_blocks = work(batch, context, phase, runner.model_config.vocab_size,
+                             penalties)
     cfg = runner.model_config
     kv = torch.randn(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_heads, cfg.head_dim,
                      dtype=runner.model.model.decoder.embed_tokens.weight.dtype)
     runner.execute_sync(items, kv)
     times = []
     for _ in range(repeats):
+        grow(items)
         start = time.perf_counter()
         runner.execute_sync(items, kv)
         times.append((time.perf_counter() - start) * 1e3)
@@ -136,21 +155,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--native-half-matmuls", action="store_true",
                    help="keep torch's bf16/fp16 GEMM even where the runner would compute the "
                         "matmuls in float32 (an engine without the float32 path; default off)")
+    p.add_argument("--penalties", action="store_true",
+                   help="each row also with presence, frequency and repetition penalties "
+                        "on every sequence (phase shown as PHASE+penalties)")
     args = p.parse_args(argv)
     if args.native_half_matmuls:
         runner_module.fit_matmuls_to = lambda model, device: False
     runner = ModelRunner(ModelConfig(model=args.model, dtype=args.dtype), torch.device("cpu"),
                          BLOCK_SIZE)
     print(f"{args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} "
-          f"threads, load average {' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())}")
+          f"threads, {cpu_isa.describe()}, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| phase | batch | step ms (median) | " + " | ".join(f"{p} %" for p in PARTS)
           + " | other % | copies % |")
     print("|---" * (len(PARTS) + 5) + "|")
     for phase in args.phases.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            ms, parts = profile_step(runner, batch, args.context, phase, args.repeats)
-            cells = " | ".join(f"{parts.get(k, 0.0):.0f}" for k in (*PARTS, "other", "copies"))
-            print(f"| {phase} | {batch} | {ms:.1f} | {cells} |", flush=True)
+            for penalties in (False, True) if args.penalties else (False,):
+                ms, parts = profile_step(runner, batch, args.context, phase, args.repeats,
+                                         penalties)
+                cells = " | ".join(f"{parts.get(k, 0.0):.0f}"
+                                   for k in (*PARTS, "other", "copies"))
+                label = f"{phase}+penalties" if penalties else phase
+                print(f"| {label} | {batch} | {ms:.1f} | {cells} |", flush=True)
     runner.shutdown()
 
 

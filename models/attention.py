@@ -433,12 +433,14 @@ def _prefill_one(
         # NOTE: bottom-right causal: query j sits at absolute position s_len - q_len + j.
         pos = torch.arange(s_len, device=q.device)  # [s_len]
         mask = pos[None, :] <= pos[s_len - q_len:, None]  # [q_len, s_len]
+    # NOTE: batched 4-d inputs: torch's CPU flash-attention kernel takes only those, and
+    # 3-d ones run the unfused math path (the full score matrix, in several passes).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=q_len == s_len and q_len > 1, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
-    )  # [num_heads, q_len, head_dim]
-    return out.transpose(0, 1)
+    )  # [1, num_heads, q_len, head_dim]
+    return out[0].transpose(0, 1)
 
 
 def gather_seq_kv(kv_cache: Tensor, layer: int, block_table: Tensor, seq_len: int

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from models import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
@@ -34,16 +36,6 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("ASERVE_CACHE_DIR") or Path.home() / ".cache" / "aserve")
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (Linux), or "" where /proc/cpuinfo is missing."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))),
-                "")
 
 
 def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.CDLL | None:
@@ -58,7 +50,8 @@ def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.C
         return None
     # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
     # the key names this CPU's instruction sets.
-    key = "\n".join((source, " ".join(FLAGS), compiler, platform.machine(), _cpu_flags()))
+    key = "\n".join((source, " ".join(FLAGS), compiler, platform.machine(),
+                     cpu_isa.cpu_flags()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = _cache_dir() / f"{name}_{digest}.so"
     try:

@@ -108,15 +108,19 @@ class Penalties:
     tokens (transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit is divided
     by the penalty when positive, multiplied when negative), then OpenAI's frequency and
     presence penalties over output tokens (logit -= frequency * count + presence * [count > 0]).
+
+    Only the tokens a row has seen change, so they are held sparsely: one entry per distinct
+    (row, token) of the prompts and outputs, and `apply` touches those entries alone.
     """
 
     rows: Tensor  # [num_rows] long: the batch rows these settings belong to
     bias: tuple[Tensor, Tensor, Tensor] | None  # (row, token id, bias) triples; None: no bias
     repetition: Tensor | None  # [num_rows] float32, 1 = off; None: off in every row
-    is_seen: Tensor | None  # [num_rows, vocab_size] bool: in the prompt or the output
     presence: Tensor | None  # [num_rows] float32, 0 = off; None with frequency: both off
     frequency: Tensor | None  # [num_rows] float32, 0 = off
-    output_counts: Tensor | None  # [num_rows, vocab_size] float32: times each was generated
+    seen_rows: Tensor  # [num_seen] long: the row (of `rows`) of each distinct seen token
+    seen_ids: Tensor  # [num_seen] long: the token, in the prompt or the output
+    output_counts: Tensor  # [num_seen] float32: times it was generated
 
     @classmethod
     def from_lists(
@@ -131,8 +135,9 @@ class Penalties:
         vocab_size: int,
         device: torch.device | str,
     ) -> Penalties:
-        """Builds the count and bias tensors with one scatter per kind (no per-token loop);
-        a kind that no row uses builds nothing and costs nothing in `apply`.
+        """Counts every row's tokens in a few tensor ops (no per-token loop); a kind that no
+        row uses costs nothing in `apply`. `PenaltyCounts` keeps the counts between steps
+        instead.
 
         Raises:
             ValueError: a list length differs, a penalty is out of range, or a token id is
@@ -142,67 +147,211 @@ class Penalties:
         _check_lengths(num_rows, presence=presence, frequency=frequency,
                        repetition=repetition, prompt_ids=prompt_ids, output_ids=output_ids,
                        logit_biases=logit_biases)
+        shape = (num_rows, vocab_size)
+        prompt_rows, prompt_flat = _row_index(prompt_ids, shape, "cpu")
+        output_rows, output_flat = _row_index(output_ids, shape, "cpu")
+        keys = torch.cat([prompt_rows * vocab_size + prompt_flat,
+                          output_rows * vocab_size + output_flat])  # [all tokens]
+        distinct, inverse = torch.unique(keys, return_inverse=True)  # [num_seen], [all]
+        counts = torch.zeros(len(distinct)).index_add_(
+            0, inverse[len(prompt_flat):], torch.ones(len(output_flat)))  # [num_seen]
+        return cls.from_seen(rows, presence, frequency, repetition, logit_biases, vocab_size,
+                             distinct // vocab_size, distinct % vocab_size, counts, device)
+
+    @classmethod
+    def from_seen(
+        cls,
+        rows: Sequence[int],
+        presence: Sequence[float],
+        frequency: Sequence[float],
+        repetition: Sequence[float],
+        logit_biases: Sequence[Sequence[tuple[int, float]]],
+        vocab_size: int,
+        seen_rows: Tensor,
+        seen_ids: Tensor,
+        output_counts: Tensor,
+        device: torch.device | str,
+    ) -> Penalties:
+        """From each row's distinct seen tokens (`seen_rows`, `seen_ids`, CPU, long) and their
+        output counts (float32), already checked against the vocabulary.
+
+        Raises:
+            ValueError: a penalty is out of range, or a biased token id is outside
+                [0, vocab_size).
+        """
         for i, r in enumerate(repetition):
             if not (r > 0 and math.isfinite(r)):
                 raise ValueError(f"repetition[{i}] ({r}) must be a finite number > 0")
-        shape = (num_rows, vocab_size)
 
         def floats(values: Sequence[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         bias = None
         if any(logit_biases):
-            index = _row_index([[t for t, _ in pairs] for pairs in logit_biases], shape, device)
+            index = _row_index([[t for t, _ in pairs] for pairs in logit_biases],
+                               (len(rows), vocab_size), device)
             bias = (*index, floats([v for pairs in logit_biases for _, v in pairs]))
-        is_seen = rep = None
+        rep = pres = freq = None
         if any(r != 1 for r in repetition):
-            is_seen = torch.zeros(shape, dtype=torch.bool, device=device)
-            for ids in (prompt_ids, output_ids):
-                is_seen.index_put_(_row_index(ids, shape, device), torch.tensor(True))
             # NOTE: a penalty below float32's smallest normal (e.g. 1e-300) would round to 0
             rep = floats(repetition).clamp(min=torch.finfo(torch.float32).tiny)
-        counts = pres = freq = None
         if any(presence) or any(frequency):
-            counts = _counts(output_ids, shape, device)  # [num_rows, vocab_size]
             pres, freq = floats(presence), floats(frequency)
+        if rep is None:
+            # without the repetition penalty only generated tokens change (with presence or
+            # frequency), or none
+            keep = (output_counts > 0 if pres is not None
+                    else torch.zeros_like(seen_ids, dtype=torch.bool))
+            seen_rows, seen_ids = seen_rows[keep], seen_ids[keep]
+            output_counts = output_counts[keep]
         return cls(rows=torch.tensor(rows, dtype=torch.long, device=device), bias=bias,
-                   repetition=rep, is_seen=is_seen, presence=pres, frequency=freq,
-                   output_counts=counts)
+                   repetition=rep, presence=pres, frequency=freq,
+                   seen_rows=seen_rows.to(device), seen_ids=seen_ids.to(device),
+                   output_counts=output_counts.to(device))
 
     def apply(self, logits: Tensor) -> Tensor:
         """`logits` ([num_seqs, vocab_size] float32) with these rows biased and penalised."""
-        x = logits.index_select(0, self.rows)  # [num_rows, vocab_size]
+        out = logits.clone()  # [num_seqs, vocab_size]
         if self.bias is not None:
             rows, token_ids, values = self.bias
-            x.index_put_((rows, token_ids), values, accumulate=True)
-        if self.repetition is not None and self.is_seen is not None:
-            rep = self.repetition.unsqueeze(1)  # [num_rows, 1]
-            x = torch.where(self.is_seen, torch.where(x < 0, x * rep, x / rep), x)
-        if self.output_counts is not None and self.presence is not None:
-            assert self.frequency is not None, "presence and frequency are set together"
-            x = x - self.frequency.unsqueeze(1) * self.output_counts
-            x = x - self.presence.unsqueeze(1) * (self.output_counts > 0)
-        return logits.index_copy(0, self.rows, x.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+            out.index_put_((self.rows[rows], token_ids), values, accumulate=True)
+        if len(self.seen_ids) and (self.repetition is not None or self.presence is not None):
+            index = (self.rows[self.seen_rows], self.seen_ids)
+            seen = out[index]  # [num_seen]
+            if self.repetition is not None:
+                rep = self.repetition[self.seen_rows]  # [num_seen]
+                seen = torch.where(seen < 0, seen * rep, seen / rep)
+            if self.presence is not None:
+                assert self.frequency is not None, "presence and frequency are set together"
+                counts = self.output_counts
+                seen = seen - self.frequency[self.seen_rows] * counts
+                seen = seen - self.presence[self.seen_rows] * (counts > 0)
+            out.index_put_(index, seen)
+        if len(self.rows) == len(out):  # every row (the rows are distinct)
+            return out.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
+        return out.index_copy_(0, self.rows,
+                               out.index_select(0, self.rows).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT))
+
+
+class PenaltyCounts:
+    """Each sequence's distinct tokens and output counts, kept between steps: a step folds
+    in only the tokens added since the last one, where rebuilding every row's counts from
+    all of its tokens would cost as much as the step.
+
+    A sequence is known by its token list (prompt then output, only ever appended to),
+    which an entry holds on to; entries unused for `keep_calls` calls are dropped, and a
+    sequence that comes back is counted afresh.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str,
+                 keep_calls: int = 64) -> None:
+        self.vocab_size, self.device, self.keep_calls = vocab_size, device, keep_calls
+        self._entries: dict[int, _SeenTokens] = {}
+        self._calls = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def penalties(
+        self,
+        rows: Sequence[int],
+        presence: Sequence[float],
+        frequency: Sequence[float],
+        repetition: Sequence[float],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
+        logit_biases: Sequence[Sequence[tuple[int, float]]],
+    ) -> Penalties:
+        """The `Penalties` of these rows (as `Penalties.from_lists` over each row's prompt
+        `token_ids[i][:num_prompt_tokens[i]]` and output, the rest of it).
+
+        Raises:
+            ValueError: a list length differs, a penalty is out of range, or a token id is
+                outside [0, vocab_size).
+        """
+        _check_lengths(len(rows), presence=presence, frequency=frequency,
+                       repetition=repetition, token_ids=token_ids,
+                       num_prompt_tokens=num_prompt_tokens, logit_biases=logit_biases)
+        self._calls += 1
+        seen = [self._seen(ids, n) for ids, n in zip(token_ids, num_prompt_tokens)]
+        if self._calls % self.keep_calls == 0:
+            old = self._calls - self.keep_calls
+            self._entries = {k: e for k, e in self._entries.items() if e.last_call > old}
+        sizes = torch.tensor([e.size for e in seen], dtype=torch.long)  # [num_rows]
+        seen_rows = torch.repeat_interleave(torch.arange(len(seen)), sizes)  # [num_seen]
+        seen_ids = torch.cat([e.ids[:e.size] for e in seen]) if seen else sizes
+        counts = (torch.cat([e.counts[:e.size] for e in seen]) if seen
+                  else torch.zeros(0))  # [num_seen]
+        return Penalties.from_seen(rows, presence, frequency, repetition, logit_biases,
+                                   self.vocab_size, seen_rows, seen_ids, counts, self.device)
+
+    def _seen(self, token_ids: Sequence[int], num_prompt_tokens: int) -> _SeenTokens:
+        entry = self._entries.get(id(token_ids))
+        if (entry is None or entry.token_ids is not token_ids
+                or entry.num_prompt_tokens != num_prompt_tokens
+                or entry.counted > len(token_ids)):
+            entry = _SeenTokens(token_ids, num_prompt_tokens)
+            self._entries[id(token_ids)] = entry
+        entry.update(self.vocab_size)
+        entry.last_call = self._calls
+        return entry
+
+
+class _SeenTokens:
+    """One sequence's distinct tokens (first-seen order) and their output counts, in
+    tensors that grow by doubling."""
+
+    def __init__(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.token_ids = token_ids  # held: its id() keys the entry
+        self.num_prompt_tokens = num_prompt_tokens
+        self.counted = 0  # tokens folded in so far
+        self.position: dict[int, int] = {}  # token id -> its index in `ids`
+        self.ids = torch.empty(0, dtype=torch.long)  # [capacity]
+        self.counts = torch.empty(0)  # [capacity] float32
+        self.size = 0
+        self.last_call = 0
+
+    def update(self, vocab_size: int) -> None:
+        """Folds in the tokens appended since the last call."""
+        new = self.token_ids[self.counted:]
+        if not new:
+            return
+        fresh: list[int] = []
+        generated: list[int] = []  # index in `ids` of each new output token
+        for j, t in enumerate(new, self.counted):
+            at = self.position.get(t)
+            if at is None:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
+                at = self.position[t] = self.size + len(fresh)
+                fresh.append(t)
+            if j >= self.num_prompt_tokens:
+                generated.append(at)
+        size = self.size + len(fresh)
+        if size > len(self.ids):
+            capacity = max(size, 2 * len(self.ids), 64)
+            self.ids = torch.cat([self.ids[:self.size],
+                                  torch.empty(capacity - self.size, dtype=torch.long)])
+            self.counts = torch.cat([self.counts[:self.size], torch.zeros(capacity - self.size)])
+        if fresh:
+            self.ids[self.size:size] = torch.tensor(fresh, dtype=torch.long)
+        if len(generated) == 1:
+            self.counts[generated[0]] += 1
+        elif generated:
+            self.counts.index_add_(0, torch.tensor(generated), torch.ones(len(generated)))
+        self.size, self.counted = size, len(self.token_ids)
 
 
 def _row_index(ids: Sequence[Sequence[int]], shape: tuple[int, int],
                device: torch.device | str) -> tuple[Tensor, Tensor]:
     """(row, column) index tensors of every id of every row, checked against the vocab."""
-    flat = [t for row in ids for t in row]
-    bad = next((t for t in flat if not 0 <= t < shape[1]), None)
-    if bad is not None:
+    flat = torch.tensor([t for row in ids for t in row], dtype=torch.long)
+    if len(flat) and not bool(((flat >= 0) & (flat < shape[1])).all()):
+        bad = int(flat[(flat < 0) | (flat >= shape[1])][0])
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {shape[1]})")
     row_of = torch.repeat_interleave(torch.arange(shape[0]),
                                      torch.tensor([len(row) for row in ids], dtype=torch.long))
-    return row_of.to(device), torch.tensor(flat, dtype=torch.long, device=device)
-
-
-def _counts(ids: Sequence[Sequence[int]], shape: tuple[int, int],
-            device: torch.device | str) -> Tensor:
-    """[num_rows, vocab_size] float32: how often each id occurs in each row of `ids`."""
-    counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    index = _row_index(ids, shape, device)
-    return counts.index_put_(index, torch.ones(len(index[1]), device=device), accumulate=True)
+    return row_of.to(device), flat.to(device)
 
 
 class SampleResult(NamedTuple):

@@ -19,10 +19,11 @@ import torch
 
 from aserve.engine.config import ModelConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
+from models import cpu_isa
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import OPTConfig, OPTForCausalLM, fit_matmuls_to
-from models.sampler import Penalties, SamplingTensors, sample
+from models.sampler import Penalties, PenaltyCounts, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,14 +97,17 @@ class ModelRunner:
         self.model.eval()
         # NOTE: prepacked float32 matmuls on CPUs: torch's bf16/fp16 GEMM without AVX-512
         # BF16 or AMX runs several times slower than float32 (docs/results.md).
-        if fit_matmuls_to(self.model, device):
-            logger.info("%s model on the CPU: linear layers compute in prepacked float32",
-                        config.dtype)
+        packed = fit_matmuls_to(self.model, device)
+        if device.type == "cpu":
+            logger.info("CPU: %s; %s model: linear layers in %s", cpu_isa.describe(),
+                        config.dtype, "prepacked float32" if packed else config.dtype)
         self.backend = get_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:
             max_blocks = -(-self.model_config.max_position_embeddings // block_size)
             self.graphs = DecodeGraphs(self.model, self.backend, block_size, max_blocks)
+        # each sequence's penalty counts, kept between steps (touched in the worker thread only)
+        self.penalty_counts = PenaltyCounts(self.model_config.vocab_size, device)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
         self.fault_hook: Callable[[], None] | None = None
 
@@ -170,11 +174,10 @@ class ModelRunner:
         if not rows:
             return None
         ps = [p for c in chosen if (p := c.penalties) is not None]
-        return Penalties.from_lists(
+        return self.penalty_counts.penalties(
             rows, [p.presence for p in ps], [p.frequency for p in ps],
-            [p.repetition for p in ps], [p.token_ids[:p.num_prompt_tokens] for p in ps],
-            [p.token_ids[p.num_prompt_tokens:] for p in ps], [p.logit_bias for p in ps],
-            self.model_config.vocab_size, self.device)
+            [p.repetition for p in ps], [p.token_ids for p in ps],
+            [p.num_prompt_tokens for p in ps], [p.logit_bias for p in ps])
 
     def _prepare(self, items: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionMetadata]:

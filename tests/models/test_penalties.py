@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.sampler import Penalties, SamplingTensors, sample
+from models.sampler import Penalties, PenaltyCounts, SamplingTensors, sample
 
 VOCAB = 300
 
@@ -47,3 +47,56 @@ def test_extreme_penalties_still_give_a_valid_token(repetition: float,
 def test_token_ids_outside_the_vocab_are_refused() -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         Penalties.from_lists([0], [0.0], [0.0], [1.1], [[VOCAB]], [[]], [()], VOCAB, "cpu")
+
+
+def dense_reference(logits: torch.Tensor, rows: list[int], presence: float, frequency: float,
+                    repetition: float, prompts: list[list[int]],
+                    outputs: list[list[int]]) -> torch.Tensor:
+    """The penalties over whole [rows, vocab] tensors, one formula per token."""
+    out = logits.clone()
+    for row, prompt, output in zip(rows, prompts, outputs):
+        x = out[row]
+        seen = torch.zeros(VOCAB, dtype=torch.bool)
+        seen[prompt + output] = True
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB).float()
+        if repetition != 1:
+            x = torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        out[row] = x
+    return out
+
+
+@pytest.mark.parametrize("repetition,presence,frequency", [
+    (1.3, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.7), (0.8, -0.4, 1.5)])
+def test_counts_kept_between_steps_match_a_rebuild_and_the_dense_formula(
+        repetition: float, presence: float, frequency: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(VOCAB, (n,), generator=gen).tolist() for n in (5, 40, 1)]
+    prompt_lens = [len(s) for s in sequences]
+    kept = PenaltyCounts(VOCAB, "cpu", keep_calls=3)
+    rows = [0, 2, 3]
+    for step in range(8):
+        if step == 5:
+            sequences[1] = list(sequences[1])  # a new list: counted afresh
+        n = len(rows)
+        args = (rows, [presence] * n, [frequency] * n, [repetition] * n)
+        prompts = [s[:p] for s, p in zip(sequences, prompt_lens)]
+        outputs = [s[p:] for s, p in zip(sequences, prompt_lens)]
+        logits = torch.randn(4, VOCAB, generator=gen)
+        want = dense_reference(logits, rows, presence, frequency, repetition, prompts, outputs)
+        rebuilt = Penalties.from_lists(*args, prompts, outputs, [()] * n, VOCAB, "cpu")
+        incremental = kept.penalties(*args, sequences, prompt_lens, [()] * n)
+        assert torch.equal(rebuilt.apply(logits), want)
+        assert torch.equal(incremental.apply(logits), want)
+        for s in sequences:  # each sequence generates one (often repeated) token
+            s.append(s[-1] if step % 2 else int(torch.randint(VOCAB, (1,), generator=gen)))
+    for _ in range(4):  # only the first sequence goes on: the others' entries are dropped
+        kept.penalties([0], [presence], [frequency], [repetition], sequences[:1],
+                       prompt_lens[:1], [()])
+    assert len(kept) == 1
+
+
+def test_kept_counts_refuse_token_ids_outside_the_vocab() -> None:
+    kept = PenaltyCounts(VOCAB, "cpu")
+    with pytest.raises(ValueError, match="vocabulary"):
+        kept.penalties([0], [0.0], [0.5], [1.0], [[1, VOCAB]], [1], [()])
