@@ -31,6 +31,7 @@ from tests.aserve.conftest import parse_metrics
 HEALTH_EVERY_S = 0.5
 HEALTH_TIMEOUT_S = 5.0  # a probe slower than 1 s fails the soak; this only ends the wait
 SETTLE_S = 600.0  # most seconds the server may take to finish what is left at the end
+RUN_LIMIT_S = 3600.0  # most seconds the clients of one run may take in all
 READY_S = 300.0  # most seconds `aserve serve` may take to listen
 MAX_CLIENT_CONNECTIONS = 256
 ALPHABET = string.ascii_letters + string.digits + "     .,"
@@ -246,7 +247,9 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
     # NOTE: a pool below the server's connection cap (512 by default), as a client library
     # keeps: arrivals the server cannot keep up with wait here instead of being refused
     connector = aiohttp.TCPConnector(limit=MAX_CLIENT_CONNECTIONS)
-    timeout = aiohttp.ClientTimeout(total=SETTLE_S)
+    # NOTE: no total per request: under overload a request may wait long for a pooled
+    # connection; a silent server still fails the read, and the whole run is bounded
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=SETTLE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await server.ready()
         warm = ChurnResult()
@@ -257,8 +260,8 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         stop = asyncio.Event()
         prober = asyncio.create_task(_probe_health(session, server.url, result, stop))
         t0 = time.monotonic()
-        await asyncio.gather(*(_client(session, server.url, model, c, result, t0)
-                               for c in clients))
+        await asyncio.wait_for(asyncio.gather(*(_client(session, server.url, model, c, result,
+                                                        t0) for c in clients)), RUN_LIMIT_S)
         result.kv_used_end = await _settle(session, server.url)
         result.duration = time.monotonic() - t0
         stop.set()
