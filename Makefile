@@ -1,6 +1,6 @@
 # AlignedServe: `make run` sets up and runs the server, `make test` sets up and runs the tests.
-# Each command installs only what it needs: serving deps for run, test extras for test,
-# bench extras for bench, lint tools for lint.
+# Each command installs only what it needs: serving deps for run, test and bench extras for
+# test (the tests cover the bench harness), the same for bench, lint tools for lint.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,7 +22,7 @@ $(VENV)/.base: Makefile
 
 # One stamp per set of extras; `pip install -e` adds to what is there.
 EXTRAS_serve :=
-EXTRAS_test := [test]
+EXTRAS_test := [test,bench]
 EXTRAS_bench := [test,bench]
 EXTRAS_dev := [dev]
 $(VENV)/.installed-%: pyproject.toml $(VENV)/.base
