@@ -30,6 +30,17 @@ def kv_stores(prefill_devices: Sequence[str], decode_devices: Sequence[str],
     return stores
 
 
+def keep_bounded(trace: list[Any], item: object, limit: int | None) -> int:
+    """Appends `item` to `trace`; past `limit` the older half is dropped (a long-running
+    server must not grow forever). Returns how many were dropped."""
+    trace.append(item)
+    if limit is None or len(trace) <= limit:
+        return 0
+    half = limit // 2
+    del trace[:half]
+    return half
+
+
 # -- kv -------------------------------------------------------------------------------
 # BlockLedger: the block tables of every KV store of one engine (or simulated cluster), by
 # store name, and the bookkeeping of a KV move (reserve, then commit or cancel).
@@ -42,13 +53,16 @@ class BlockLedger:
     caches. A sequence's `location` names the store whose table holds its KV."""
 
     def __init__(self, stores: Mapping[str, tuple[str, int]], block_size: int,
-                 share_memory: bool) -> None:
+                 share_memory: bool, trace_limit: int | None = None) -> None:
         """An allocator per store of `stores` (`kv_stores`); with `share_memory` the stores
         on one device draw from one `BlockPool` (one KV tensor), each within its own
-        blocks, and a move between two of them is a hand-over."""
+        blocks, and a move between two of them is a hand-over. At most `trace_limit`
+        transfer records are kept (the older half is dropped past it); None keeps all."""
         self.allocators = allocators_for(stores, block_size, share_memory)
         self.block_size = block_size
-        self.transfers: list[TransferRecord] = []  # every completed move, for research
+        self.transfers: list[TransferRecord] = []  # completed moves, oldest first
+        self.trace_limit = trace_limit
+        self.num_transfers = 0  # every completed move, dropped records included
 
     def blocks_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.block_size)
@@ -112,8 +126,10 @@ class BlockLedger:
         elif move.src_ids is None:
             self.allocators[move.src].free(move.seq.seq_id)
         move.seq.location = move.dst
-        self.transfers.append(TransferRecord(move.seq.seq_id, move.src, move.dst,
-                                             move.num_blocks, start_time, end_time))
+        self.num_transfers += 1
+        keep_bounded(self.transfers, TransferRecord(move.seq.seq_id, move.src, move.dst,
+                                                    move.num_blocks, start_time, end_time),
+                     self.trace_limit)
 
     def cancel(self, move: Move) -> None:
         """The copy failed: the destination blocks are freed, the source keeps the KV (a

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aserve.cores.base import Forward, Move
+from aserve.cores.ledger import keep_bounded
 from aserve.engine.sequence import (
     Event,
     EventKind,
@@ -50,14 +51,7 @@ class Lifecycle:
         self.retried: set[str] = set()  # seqs whose forward failed once (`retry_once`)
 
     def _keep(self, trace: list[Any], item: object) -> int:
-        """Appends `item`; past `trace_limit` the older half is dropped (a long-running
-        server must not grow forever). Returns how many were dropped."""
-        trace.append(item)
-        if self.trace_limit is None or len(trace) <= self.trace_limit:
-            return 0
-        half = self.trace_limit // 2
-        del trace[:half]
-        return half
+        return keep_bounded(trace, item, self.trace_limit)
 
     def event(self, seq_id: str, kind: EventKind, at: float) -> None:
         self._keep(self.events, Event(seq_id, kind, at))

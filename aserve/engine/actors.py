@@ -182,7 +182,8 @@ class KVSpace(BlockLedger):
                  device_executors: Mapping[str, Executor] | None = None) -> None:
         layout = kv_stores(config.prefill_devices, config.decode_devices, config.cache,
                            geometry.blocks_in(config.cache.host_pool_bytes, "host_pool_gb"))
-        super().__init__(layout, geometry.block_size, config.cache.share_kv_memory)
+        super().__init__(layout, geometry.block_size, config.cache.share_kv_memory,
+                         config.trace_limit)
         # NOTE: a step reads most of its cache; its blocks are untouched yet (torch.empty),
         # so they fault in as huge pages on the CPU: fewer TLB misses per step
         self.stores = stores_for(layout, self.allocators, geometry, torch.cuda.is_available(),

@@ -77,7 +77,7 @@ class SchedulerConfig(PolicyKnobs, frozen=True, kw_only=True):
     max_prefill_tokens: int = 2048  # token budget of one prefill (or mixed) step
     max_batch_size: int = 256  # most sequences in one decode iteration
     batch_kv_fraction: float = 0.9  # share of decode KV a new batch may take (room to grow)
-    max_waiting: int = 4096  # requests waiting for prefill before new ones get 503
+    max_waiting: int = 4096  # requests waiting for prefill before new ones get 429
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the knobs
@@ -110,8 +110,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # and its KV freed
     write_timeout: float = 30.0
     # tokens (prompt + max_tokens, over every sample) one client address may have in flight;
-    # past it 429 (a client with nothing in flight is always let in). 0: no budget
+    # past it 429 (a client with nothing in flight is always let in). 0: no fixed budget
     max_client_tokens: int = 0
+    # seconds a client address counts as active after its last completion request. While the
+    # decode KV cannot hold every client's tokens in flight, a client past an equal share of
+    # it among the active clients gets 429 (one with nothing in flight is always let in; a
+    # lone client never). 0: no fair share
+    fair_share_window: float = 60.0
+    # seconds of prefill the prompts waiting for it may need, at the pace of recent prefill
+    # steps, before new requests get 429 (the server sheds load it cannot carry). 0: no bound
+    max_prefill_backlog: float = 30.0
     health_details: bool = False  # /health names actors and errors to anyone (else: key only)
     chat_template: str | None = None  # a Jinja file or built-in name; None: the checkpoint's
 
@@ -128,6 +136,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
         if self.max_client_tokens < 0:
             raise ValueError(f"max_client_tokens ({self.max_client_tokens}) must be >= 0")
+        for name in ("fair_share_window", "max_prefill_backlog"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0 seconds")
 
 
 class _FlatKeywords(msgspec.StructMeta):

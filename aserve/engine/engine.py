@@ -221,6 +221,15 @@ class Engine:
         over every instance)."""
         return sum(1 for seq in self._live.values() if seq.status == SeqStatus.WAITING)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the requests whose prefill has not started (a prompt's samples
+        share its prefill: counted once)."""
+        waiting = [seq for seq in self._live.values() if seq.status == SeqStatus.WAITING]
+        forks = {fork.seq_id for seq in waiting for fork in seq.forks}
+        return sum(len(seq.request.prompt_token_ids) for seq in waiting
+                   if seq.seq_id not in forks)
+
     def submit(self, request: Request, is_admitted: bool = False) -> asyncio.Queue[StepOutput]:
         """Hands a validated request to the engine; returns its output queue.
 
@@ -371,8 +380,14 @@ class Engine:
 
     @property
     def transfers(self) -> list:  # type: ignore[type-arg]
-        """Every completed KV move (TransferRecord), in completion order."""
+        """Completed KV moves (TransferRecord), in completion order; the oldest are dropped
+        past `trace_limit` (`num_transfers` counts them all)."""
         return self._context.kv.transfers
+
+    @property
+    def num_transfers(self) -> int:
+        """Every completed KV move, those dropped from `transfers` included."""
+        return self._context.kv.num_transfers
 
     def check_integrity(self) -> None:
         self._context.kv.check_integrity()

@@ -8,7 +8,7 @@ class EngineError(RuntimeError):
 
 
 class EngineOverloaded(EngineError):
-    """The waiting queue is over its limit; the caller should retry later (HTTP 503)."""
+    """The waiting queue is over its limit; the caller should retry later (HTTP 429)."""
 
 
 class TransportClosed(EngineError):

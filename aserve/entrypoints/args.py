@@ -54,7 +54,7 @@ ENGINE_HELP: dict[str, str] = {  # every engine config field's option help (defa
     "max_prefill_tokens": "token budget of one prefill (or mixed) step",
     "max_batch_size": "most sequences in one decode iteration",
     "batch_kv_fraction": "share of decode KV a new batch may take (the rest is room to grow)",
-    "max_waiting": "requests waiting for prefill before new ones get HTTP 503",
+    "max_waiting": "requests waiting for prefill before new ones get HTTP 429",
     # SchedulerConfig: the policy knobs (scheduler.PolicyConfig)
     "min_requests": "density-first search: smallest batch that saturates the decode device",
     "leaf_width": "quad-tree leaf range (tokens)",
@@ -204,7 +204,13 @@ SERVER_LIMITS = (  # ServerConfig's numeric limits: (field, help); typed as thei
     ("max_request_prompts", "prompts one request may carry; more get 400"),
     ("max_client_tokens", "tokens (prompt + max_tokens, over every sample) one client address "
                           "may have in flight; past it 429 (one with none in flight is always "
-                          "let in); 0: no budget"),
+                          "let in); 0: no fixed budget"),
+    ("fair_share_window", "seconds a client address counts as active after its last "
+                          "completion; while the decode KV cannot hold every client's tokens "
+                          "in flight, one past an equal share among active clients gets 429 "
+                          "(a lone client never); 0: no fair share"),
+    ("max_prefill_backlog", "seconds of prefill the waiting prompts may need (at recent "
+                            "steps' pace) before new requests get 429; 0: no bound"),
     ("max_request_tokens", "prompt tokens plus max_tokens, summed over one request's prompts; "
                            "more get 400"),
 )

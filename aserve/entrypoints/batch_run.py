@@ -22,6 +22,8 @@ from aserve.entrypoints.protocol import (
     sampling_params,
 )
 
+PACE_STEPS = 32  # recent prefill steps whose pace estimates the waiting prompts' prefill
+
 
 class BatchRun:
     """The prompts of one HTTP request (each with its `n` samples), running concurrently in
@@ -157,7 +159,7 @@ class BatchRun:
 def admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
           cmpl_id: str) -> list[list[Request]]:
     """Validates every prompt against the engine and the per-request caps (400: it can
-    never run) before anything is submitted; 503 only while the engine is full. Returns each
+    never run) before anything is submitted; 429 while the engine is overloaded. Returns each
     prompt's `best_of` (default `n`) requests, sample i seeded with seed + i (as vLLM).
     Ranking samples (best_of > n) needs their logprobs, so they are always recorded then."""
     prompts = prompts_of(req)
@@ -166,10 +168,7 @@ def admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
         raise RequestError(f"the request has {len(prompts)} prompts x {num_samples} samples, "
                            f"over max_request_prompts ({config.max_request_prompts}); split it",
                            "prompt", 400, "too_many_prompts")
-    max_waiting = engine.config.scheduler.max_waiting
-    if engine.num_waiting >= max_waiting:
-        raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
-                           f"(max_waiting={max_waiting}); retry later", None, 503, "overloaded")
+    check_load(engine, config)
     groups = []
     for i, prompt in enumerate(prompts):
         ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -191,6 +190,34 @@ def admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
                            f"max_request_tokens ({config.max_request_tokens}); split it",
                            "prompt", 400, "too_many_tokens")
     return groups
+
+
+def check_load(engine: Engine, config: ServerConfig) -> None:
+    """429 `overloaded` (as OpenAI answers an overloaded engine) while `max_waiting`
+    requests wait for prefill, or while the waiting prompts need more than
+    `max_prefill_backlog` seconds of it: past that, a queue only grows, and every request
+    in it waits longer."""
+    max_waiting = engine.config.scheduler.max_waiting
+    if engine.num_waiting >= max_waiting:
+        raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "
+                           f"(max_waiting={max_waiting}); retry later", None, 429, "overloaded")
+    backlog = prefill_backlog(engine) if config.max_prefill_backlog else None
+    if backlog is not None and backlog > config.max_prefill_backlog:
+        raise RequestError(f"server overloaded: the prompts waiting need about {backlog:.0f} s "
+                           f"of prefill (max_prefill_backlog={config.max_prefill_backlog:g} "
+                           "s); retry later", None, 429, "overloaded")
+
+
+def prefill_backlog(engine: Engine) -> float | None:
+    """Seconds of prefill the waiting prompts need, at the pace of the last
+    PACE_STEPS prefill steps (each prefill instance takes its share); None before any."""
+    steps = (engine.prefill_iterations[-PACE_STEPS:]
+             or [r for r in engine.iterations[-PACE_STEPS:] if r.num_prefill_tokens])
+    num_tokens = sum(r.num_prefill_tokens for r in steps)
+    if not num_tokens:
+        return None
+    seconds_per_token = sum(r.forward_time for r in steps) / num_tokens
+    return engine.num_waiting_tokens * seconds_per_token / len(engine.config.prefill_devices)
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -132,8 +132,10 @@ class ServerMetrics:
         self.write_timeouts = Counter("aserve_write_timeouts", "Streams aborted because their "
                                       "client did not read within write_timeout", registry=r)
         self.client_refusals = Counter("aserve_client_budget_refusals", "Requests refused "
-                                       "(429) because their client had max_client_tokens in "
-                                       "flight", registry=r)
+                                       "(429) because their client had its budget or its "
+                                       "fair share in flight", registry=r)
+        self.overload_refusals = Counter("aserve_overload_refusals", "Requests refused (429) "
+                                         "because the engine was overloaded", registry=r)
         self._errors_seen: dict[tuple[str, str], int] = {}
         for reason in FINISH_REASONS:
             self.finished.labels(reason)  # exported at 0 before the first request

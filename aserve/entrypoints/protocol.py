@@ -259,7 +259,8 @@ def openapi_document(title: str, version: str,
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": err_ref}}}
               for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
                            (404, "unknown model"), (413, "body too large"),
-                           (503, "overloaded"))}
+                           (429, "overloaded or over a client's share"),
+                           (503, "the engine is unavailable"))}
 
     def post(summary: str, request_ref: object, response: Mapping[str, object]) -> object:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {

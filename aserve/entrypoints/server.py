@@ -66,7 +66,7 @@ ResponseFormat = CompletionFormat | ChatFormat
 
 
 RUNS: web.AppKey[set[BatchRun]] = web.AppKey("runs")  # in flight, aborted on shutdown
-BUDGET: web.AppKey[ClientBudget | None] = web.AppKey("budget")  # None: no per-client budget
+BUDGET: web.AppKey[ClientBudget | None] = web.AppKey("budget")  # None: no budget, no share
 LOOP_WATCH = web.AppKey("loop_watch", LoopWatch)
 
 
@@ -85,8 +85,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
     app[METRICS] = ServerMetrics(app[MODEL_NAMES][0])
     app[RUNS] = set()
-    limit = server_config.max_client_tokens
-    app[BUDGET] = ClientBudget(limit) if limit else None
+    limit, window = server_config.max_client_tokens, server_config.fair_share_window
+    cache = app[ENGINE].config.cache
+    capacity = cache.num_decode_blocks * cache.block_size * len(app[ENGINE].config.decode_devices)
+    app[BUDGET] = ClientBudget(limit, capacity, window) if limit or window else None
     app[LOOP_WATCH] = LoopWatch(app[METRICS].loop_lag.observe)
     app[CHAT_TEMPLATE] = load_chat_template(server_config.chat_template,
                                             _checkpoint_dir(engine_config.model.model))
@@ -148,6 +150,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except RequestError as exc:
+        if exc.code == "overloaded":
+            request.app[METRICS].overload_refusals.inc()
         return _error_response(exc.status, exc.message, exc.param, exc.code)
     except web.HTTPRequestEntityTooLarge as exc:
         limit = request.app[SERVER_CONFIG].max_body_bytes
@@ -158,9 +162,11 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         return _error_response(exc.status, f"{exc.reason}: {request.method} {request.path}",
                                code=exc.reason.lower().replace(" ", "_"))
+    except EngineOverloaded as exc:  # as OpenAI answers an overloaded engine: retry later
+        request.app[METRICS].overload_refusals.inc()
+        return _error_response(429, str(exc), code="overloaded")
     except EngineError as exc:
-        code = "overloaded" if isinstance(exc, EngineOverloaded) else "engine_unavailable"
-        return _error_response(503, str(exc), code=code)
+        return _error_response(503, str(exc), code="engine_unavailable")
     except ConnectionResetError as exc:  # the client left (its requests are aborted)
         if not isinstance(exc, ClientLeft):  # before its body was read
             request.app[METRICS].disconnects.inc()
@@ -233,7 +239,7 @@ async def _serve(request: web.Request, req: CompletionRequest, cmpl_id: str,
     num_tokens = sum(len(r.prompt_token_ids) + r.sampling.max_tokens for g in groups for r in g)
     if budget is not None:
         try:
-            budget.take(client, num_tokens)
+            budget.take(client, num_tokens, asyncio.get_running_loop().time())
         except RequestError:
             app[METRICS].client_refusals.inc()
             raise

@@ -1,5 +1,5 @@
 """Bad requests get the documented status and an OpenAI error envelope naming the field;
-random garbage never yields a 500; overload and a stopped engine give 503; the server stays
+random garbage never yields a 500; overload gives 429 and a stopped engine 503; the server stays
 healthy throughout. Real opt-tiny engine behind aiohttp's test client."""
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ async def strict_client() -> AsyncIterator[TestClient]:
 
 
 @MODULE_LOOP
-async def test_over_the_waiting_limit_is_503_with_retry_after(strict_client: TestClient) -> None:
+async def test_over_the_waiting_limit_is_429_with_retry_after(strict_client: TestClient) -> None:
     engine = strict_client.server.app[ENGINE]
     gate = Gate(next(iter(engine.ctx.runners.values())), "execute")  # holds the prefill
     first = asyncio.create_task(strict_client.post("/v1/completions", json=ok(prompt="a")))
@@ -175,7 +175,7 @@ async def test_over_the_waiting_limit_is_503_with_retry_after(strict_client: Tes
     while engine.num_waiting < 1:  # the second waits: max_waiting (1) is reached
         await asyncio.sleep(0.005)
     resp = await strict_client.post("/v1/completions", json=ok(prompt=["a", "b"]))
-    assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
+    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
     assert "max_waiting" in (await resp.json())["error"]["message"]
     gate.open()
     assert [r.status for r in await asyncio.gather(first, second)] == [200, 200]

@@ -73,3 +73,19 @@ def test_a_fork_copies_the_parents_blocks_as_they_were_reserved() -> None:
     assert not other.location and kv.free_blocks("prefill0") == 4
     kv.release(child)
     kv.check_integrity()
+
+
+def test_transfer_records_are_bounded_and_every_move_is_counted() -> None:
+    kv = BlockLedger({"host": ("host", 4), "decode0": ("decode0", 4)}, block_size=4,
+                     share_memory=False, trace_limit=4)
+    s = seq(4)
+    kv.allocate(s, "host", 4)
+    for i in range(11):  # back and forth: each move lands and frees its source
+        move = kv.reserve(s, "decode0" if s.location == "host" else "host")
+        assert move is not None
+        kv.commit(move, float(i), float(i))
+    assert kv.num_transfers == 11
+    assert len(kv.transfers) <= 4
+    assert [t.start_time for t in kv.transfers] == [7.0, 8.0, 9.0, 10.0][-len(kv.transfers):]
+    kv.release(s)
+    kv.check_integrity()

@@ -1,6 +1,8 @@
-"""Overload: a burst of 10x `max_waiting` concurrent requests. The excess gets fast 503s with
+"""Overload: a burst of 10x `max_waiting` concurrent requests. The excess gets fast 429s with
 Retry-After in OpenAI's error envelope, the waiting queue never grows past its limit, KV
-memory stays inside the configured pools, and full service resumes once the burst passes."""
+memory stays inside the configured pools, and full service resumes once the burst passes.
+Prompts waiting for more than `max_prefill_backlog` seconds of prefill turn new requests
+away the same way."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aserve.engine.config import ServerConfig
 from aserve.entrypoints.server import ENGINE, create_app
-from tests.aserve.conftest import MODEL, server_engine_config
+from tests.aserve.conftest import MODEL, parse_metrics, server_engine_config
 from tests.aserve.test_engine import settle
 from tests.conftest import make_prompts
-from tests.reliability.conftest import rss_bytes
+from tests.reliability.conftest import Gate, is_prefill, rss_bytes
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 MAX_WAITING = 8
@@ -65,7 +67,7 @@ async def burst(client: TestClient, n: int, seed: int) -> list[tuple[int, float,
 
 
 @MODULE_LOOP
-async def test_burst_over_the_waiting_limit_gets_fast_503s_then_full_service(
+async def test_burst_over_the_waiting_limit_gets_fast_429s_then_full_service(
         client: TestClient) -> None:
     engine = client.server.app[ENGINE]
     await burst(client, 2, seed=0)  # warm-up
@@ -74,7 +76,7 @@ async def test_burst_over_the_waiting_limit_gets_fast_503s_then_full_service(
     task = asyncio.create_task(sampler.run())
     results = await burst(client, BURST, seed=1)
     task.cancel()
-    refused = [r for r in results if r[0] == 503]
+    refused = [r for r in results if r[0] == 429]
     served = [r for r in results if r[0] == 200]
     assert len(refused) + len(served) == BURST, {r[0] for r in results}
     assert len(refused) >= BURST - 3 * MAX_WAITING, (len(refused), len(served))
@@ -102,3 +104,26 @@ async def test_burst_over_the_waiting_limit_gets_fast_503s_then_full_service(
     after = await burst(client, MAX_WAITING, seed=2)  # the burst has passed: all served
     assert [r[0] for r in after] == [200] * MAX_WAITING
     await settle(engine)
+
+
+async def test_a_prefill_backlog_past_its_bound_gets_429_until_it_clears() -> None:
+    app = create_app(server_engine_config(), ServerConfig(max_prefill_backlog=1e-9))
+    async with TestClient(TestServer(app)) as client:
+        engine = app[ENGINE]
+        assert (await timed_post(client, [5] * 64))[0] == 200  # a prefill step sets the pace
+        gate = Gate(next(iter(engine.ctx.runners.values())), "execute", is_prefill)
+        held = asyncio.create_task(timed_post(client, [6] * 32))
+        await asyncio.wait_for(gate.entered.wait(), 10)
+        waiting = asyncio.create_task(timed_post(client, [7] * 32))
+        while engine.num_waiting < 1:  # its prompt needs prefill: over the (tiny) bound
+            await asyncio.sleep(0.005)
+        status, _, payload, retry_after = await timed_post(client, [8] * 32)
+        assert status == 429 and int(retry_after) >= 1, payload
+        assert payload["error"]["code"] == "overloaded"
+        assert "max_prefill_backlog" in payload["error"]["message"]
+        gate.open()
+        assert [r[0] for r in await asyncio.gather(held, waiting)] == [200, 200]
+        await settle(engine)
+        assert (await timed_post(client, [8] * 32))[0] == 200  # nothing waits: served
+        metrics = parse_metrics(await (await client.get("/metrics")).text())
+        assert metrics["aserve_overload_refusals_total"] == 1
