@@ -93,6 +93,11 @@ class ChurnResult:
         return [line for line in self.log.splitlines()
                 if " ERROR " in line or "Traceback" in line or " CRITICAL " in line]
 
+    @property
+    def stall_lines(self) -> list[str]:
+        """The watchdog's WARNINGs: event-loop iterations over its threshold."""
+        return [line for line in self.log.splitlines() if "the event loop was held" in line]
+
     def lag_share_within(self, bound: float) -> float:
         """The share of heartbeats whose lag was at most `bound` seconds (a bucket bound)."""
         total = self.loop_lag.get(float("inf"), 0.0)
@@ -105,7 +110,8 @@ class ChurnResult:
                 f"probes, slowest {slowest * 1000:.0f} ms; RSS {self.rss_warm / 2**20:.0f} -> "
                 f"{self.rss_end / 2**20:.0f} MiB ({self.rss_end / self.rss_warm - 1:+.1%}); "
                 f"loop lag <= 50 ms: {self.lag_share_within(0.05):.2%} of "
-                f"{self.loop_lag.get(float('inf'), 0):.0f} beats; KV used at the end "
+                f"{self.loop_lag.get(float('inf'), 0):.0f} beats, "
+                f"{len(self.stall_lines)} held over 250 ms; KV used at the end "
                 f"{self.kv_used_end}; {self.duration:.0f} s")
 
 
