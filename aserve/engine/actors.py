@@ -80,6 +80,8 @@ class Actor:
         self._stopping = False
         self._decided = 0.0  # seconds of decisions since the last forward (schedule_time)
         self._copies: set[asyncio.Task[None]] = set()  # the batcher's copies in flight
+        # (start time, prompt tokens) of the forward running, while it includes a prefill
+        self.prefill_running: tuple[float, int] | None = None
         self.device = device
         if device is not None:
             self.runner = ctx.runners[device]
@@ -153,11 +155,24 @@ class Actor:
         logger.error("%s failed: %s", self.name, self.last_error, exc_info=exc)
         return self.last_error
 
+    def running_prefill_pace(self) -> float | None:
+        """Seconds per prompt token that the forward running has taken so far, while it
+        includes a prefill; None otherwise."""
+        if self.prefill_running is None:
+            return None
+        start, num_tokens = self.prefill_running
+        return (self.ctx.clock() - start) / num_tokens
+
     async def forward(self, step: Forward) -> StepResult:
         """Runs `step` on the device's worker thread (the engine's one way to compute)."""
         items = [work_item(s, self.ctx.kv.table(s), n)
                  for s, n in zip(step.seqs, step.num_new_tokens)]
-        return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
+        num_prompt_tokens = sum(n for n in step.num_new_tokens if n > 1)
+        self.prefill_running = (self.ctx.clock(), num_prompt_tokens) if num_prompt_tokens else None
+        try:
+            return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
+        finally:
+            self.prefill_running = None
 
     async def carry_out(self, move: Move) -> None:
         """Copies one KV move, tells the core it `landed` (or `failed`), and wakes the actor:

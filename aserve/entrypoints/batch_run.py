@@ -209,15 +209,18 @@ def check_load(engine: Engine, config: ServerConfig) -> None:
 
 
 def prefill_backlog(engine: Engine) -> float | None:
-    """Seconds of prefill the waiting prompts need, at the pace of the last
-    PACE_STEPS prefill steps (each prefill instance takes its share); None before any."""
+    """Seconds of prefill the waiting prompts need, at the pace of the last PACE_STEPS
+    prefill steps, or of a step still running if it is slower (at least its time so far per
+    token: a cold server's first step, or one the CPU is starved for); each prefill
+    instance takes its share. None before the first prefill step has begun."""
     steps = (engine.prefill_iterations[-PACE_STEPS:]
              or [r for r in engine.iterations[-PACE_STEPS:] if r.num_prefill_tokens])
     num_tokens = sum(r.num_prefill_tokens for r in steps)
-    if not num_tokens:
+    pace = sum(r.forward_time for r in steps) / num_tokens if num_tokens else 0.0  # s/token
+    pace = max([pace, *filter(None, (a.running_prefill_pace() for a in engine.actors))])
+    if not pace:
         return None
-    seconds_per_token = sum(r.forward_time for r in steps) / num_tokens
-    return engine.num_waiting_tokens * seconds_per_token / len(engine.config.prefill_devices)
+    return engine.num_waiting_tokens * pace / len(engine.config.prefill_devices)
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -106,11 +106,14 @@ async def test_burst_over_the_waiting_limit_gets_fast_429s_then_full_service(
     await settle(engine)
 
 
-async def test_a_prefill_backlog_past_its_bound_gets_429_until_it_clears() -> None:
+@pytest.mark.parametrize("warm", [True, False], ids=["paced", "first-step"])
+async def test_a_prefill_backlog_past_its_bound_gets_429_until_it_clears(warm: bool) -> None:
+    """Paced by the steps before, or, on a cold server, by the first step while it runs."""
     app = create_app(server_engine_config(), ServerConfig(max_prefill_backlog=1e-9))
     async with TestClient(TestServer(app)) as client:
         engine = app[ENGINE]
-        assert (await timed_post(client, [5] * 64))[0] == 200  # a prefill step sets the pace
+        if warm:
+            assert (await timed_post(client, [5] * 64))[0] == 200
         gate = Gate(next(iter(engine.ctx.runners.values())), "execute", is_prefill)
         held = asyncio.create_task(timed_post(client, [6] * 32))
         await asyncio.wait_for(gate.entered.wait(), 10)
@@ -127,3 +130,4 @@ async def test_a_prefill_backlog_past_its_bound_gets_429_until_it_clears() -> No
         assert (await timed_post(client, [8] * 32))[0] == 200  # nothing waits: served
         metrics = parse_metrics(await (await client.get("/metrics")).text())
         assert metrics["aserve_overload_refusals_total"] == 1
+        assert all(a.prefill_running is None for a in engine.actors)
