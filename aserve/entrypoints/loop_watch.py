@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 BEAT_S = 0.02  # seconds between heartbeats (the lag's resolution)
 THRESHOLD_S = 0.25  # a loop iteration longer than this is logged
 STACK_FRAMES = 8  # innermost frames logged of what held the loop
-LOOP_FILES = ("asyncio/runners.py", "asyncio/base_events.py", "selectors.py")
+LOOP_FILES = ("asyncio/runners.py", "asyncio/base_events.py", "selectors.py",
+              "uvloop/__init__.py")  # uvloop runs its loop in C, under `run`
 IN_THE_LOOP = ("  (no Python callback was running: the loop waited for the CPU or for the GIL, "
                "which a worker thread held)\n")
 
