@@ -264,10 +264,14 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         await _settle(session, server.url)
         result.rss_warm = server.rss()
         stop = asyncio.Event()
-        prober = asyncio.create_task(_probe_health(session, server.url, result, stop))
         t0 = time.monotonic()
-        await asyncio.wait_for(asyncio.gather(*(_client(session, server.url, model, c, result,
-                                                        t0) for c in clients)), RUN_LIMIT_S)
+        tasks = [asyncio.create_task(_client(session, server.url, model, c, result, t0))
+                 for c in clients]
+        # NOTE: the probes start once every client task has begun (each waits for its start
+        # time): starting thousands of tasks holds this loop, not the server's
+        await asyncio.sleep(0)
+        prober = asyncio.create_task(_probe_health(session, server.url, result, stop))
+        await asyncio.wait_for(asyncio.gather(*tasks), RUN_LIMIT_S)
         result.kv_used_end = await _settle(session, server.url)
         result.duration = time.monotonic() - t0
         stop.set()

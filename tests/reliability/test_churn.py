@@ -53,9 +53,11 @@ def soak(tmp_path: Path, model: str, share: bool, num: int, rate: float, max_tok
         warmup = clients if concurrency is None else (
             kv_high_water(concurrency, seed + 1, max_tokens)
             + churn_mix(num // 10, rate, seed + 2, max_tokens))
-        return asyncio.run(run_churn(server, model, clients, warmup))
+        result = asyncio.run(run_churn(server, model, clients, warmup))
     finally:
         assert server.stop() == 0
+    result.log = server.log  # the whole log, shutdown included
+    return result
 
 
 # NOTE: opt-125m on a small CPU prefills a few hundred tokens a second, far below this
