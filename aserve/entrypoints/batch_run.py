@@ -195,8 +195,8 @@ def admit(engine: Engine, config: ServerConfig, req: CompletionRequest,
 def check_load(engine: Engine, config: ServerConfig) -> None:
     """429 `overloaded` (as OpenAI answers an overloaded engine) while `max_waiting`
     requests wait for prefill, or while the waiting prompts need more than
-    `max_prefill_backlog` seconds of it: past that, a queue only grows, and every request
-    in it waits longer."""
+    `max_prefill_backlog` seconds of it: offered more than it can prefill, a server would
+    otherwise queue without end, each request waiting longer than the one before."""
     max_waiting = engine.config.scheduler.max_waiting
     if engine.num_waiting >= max_waiting:
         raise RequestError(f"server overloaded: {engine.num_waiting} requests waiting "

@@ -86,6 +86,7 @@ class ChurnResult:
     rss_end: int = 0
     loop_lag: dict[float, float] = field(default_factory=dict)  # bucket bound -> count
     kv_used_end: dict[str, float] = field(default_factory=dict)
+    refusals: dict[str, float] = field(default_factory=dict)  # 429s by cause, from /metrics
     duration: float = 0.0
 
     @property
@@ -112,7 +113,7 @@ class ChurnResult:
                 f"loop lag <= 50 ms: {self.lag_share_within(0.05):.2%} of "
                 f"{self.loop_lag.get(float('inf'), 0):.0f} beats, "
                 f"{len(self.stall_lines)} held over 250 ms; KV used at the end "
-                f"{self.kv_used_end}; {self.duration:.0f} s")
+                f"{self.kv_used_end}; 429s {self.refusals}; {self.duration:.0f} s")
 
 
 class ServerProcess:
@@ -263,6 +264,9 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         await asyncio.gather(*(_client(session, server.url, model, c, warm, t0) for c in warmup))
         await _settle(session, server.url)
         result.rss_warm = server.rss()
+        m = await scrape(session, server.url)
+        warm_refusals = {cause: m[f"aserve_{cause}_refusals_total"]
+                         for cause in ("overload", "client_budget")}
         stop = asyncio.Event()
         t0 = time.monotonic()
         tasks = [asyncio.create_task(_client(session, server.url, model, c, result, t0))
@@ -281,4 +285,6 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         for name, value in m.items():
             if name.startswith("aserve_event_loop_lag_seconds_bucket"):
                 result.loop_lag[float(name.split('"')[1])] = value
+        result.refusals = {cause: m[f"aserve_{cause}_refusals_total"] - warm_refusals[cause]
+                           for cause in ("overload", "client_budget")}
     return result
