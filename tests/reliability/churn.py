@@ -214,19 +214,22 @@ async def _send_and_close(url: str, body: dict[str, object]) -> None:
     writer.close()
 
 
-async def _probe_health(session: aiohttp.ClientSession, url: str, result: ChurnResult,
-                        stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        start = time.monotonic()
-        try:
-            async with session.get(f"{url}/health",
-                                   timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                await r.read()
-                status = r.status
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            status = 0
-        result.health.append((time.monotonic() - start, status))
-        await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=HEALTH_EVERY_S)
+async def _probe_health(url: str, result: ChurnResult, stop: asyncio.Event) -> None:
+    """Asks /health every HEALTH_EVERY_S on a connection of its own, as a load balancer's
+    health check does: not from the clients' pool, where it would wait for a free
+    connection whenever the clients hold them all."""
+    timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                async with session.get(f"{url}/health") as r:
+                    await r.read()
+                    status = r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status = 0
+            result.health.append((time.monotonic() - start, status))
+            await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=HEALTH_EVERY_S)
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -274,7 +277,7 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         # NOTE: the probes start once every client task has begun (each waits for its start
         # time): starting thousands of tasks holds this loop, not the server's
         await asyncio.sleep(0)
-        prober = asyncio.create_task(_probe_health(session, server.url, result, stop))
+        prober = asyncio.create_task(_probe_health(server.url, result, stop))
         await asyncio.wait_for(asyncio.gather(*tasks), RUN_LIMIT_S)
         result.kv_used_end = await _settle(session, server.url)
         result.duration = time.monotonic() - t0
