@@ -120,7 +120,7 @@ class EngineStepCost:
             return
         key = {"machine": machine(device), "attention": attention, "kernel": self.kernel,
                "dtype_bytes": dtype_bytes, "geometry": dataclasses.asdict(geometry),
-               "probe": [list(r["lengths"]) for r in rows]}  # type: ignore[call-overload]
+               "probe": [list(r["lengths"]) for r in rows]}  # type: ignore[arg-type]
         path = None if cache is None else cache / f"{_digest(key)}.json"
         params = _read(path, key)
         if params is None:
