@@ -11,7 +11,8 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
   the development CPU (OPT-125m, bf16): padded from benchmarks/data's scaled-down padded
   run, paged from an engine start-up probe of paged attention (benchmarks/data).
 - Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
-  32-40 output tokens, opt-125m bf16, padded, each system twice in rotated order.
+  32-40 output tokens, opt-125m bf16, padded, each system once (the order rotated from one
+  member to the next) and `aligned` a second time, last.
 
     ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
 """
@@ -22,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -166,10 +166,11 @@ def test_family_in_the_simulator() -> None:
     assert not missed
 
 
-def engine_member(member: Member, repeats: int = 2, warm_up: bool = False,
-                  model: str = MODEL) -> dict[str, object]:
-    """Each system on ``member`` through the engine, ``repeats`` times in rotated order
-    (after one run left out, with ``warm_up``: first-call costs)."""
+def engine_member(member: Member, first: int = 0, warm_up: bool = False,
+                  model: str = MODEL, systems: tuple[str, ...] = SYSTEMS) -> dict[str, object]:
+    """Each system on ``member`` through the engine once, in ``systems`` order rotated by
+    ``first``, then `aligned` once more (its second run: the same decisions?); after one
+    run left out, with ``warm_up`` (first-call costs)."""
     from bench.bench_cli import BenchSettings, rotated, run_system
     from bench.harness import Sizing, model_config, workload_prompts
 
@@ -178,24 +179,22 @@ def engine_member(member: Member, repeats: int = 2, warm_up: bool = False,
     kv = sizes(member)
     prompts = workload_prompts(member.workload, arch.vocab_size, settings.seed)
     sizing = Sizing(**kv, host_pool_gb=0.25, pool_ratio=math.nan)
-    names = [f"{s}/padded" for s in SYSTEMS]
-    runs: dict[str, list[dict[str, float]]] = {s: [] for s in SYSTEMS}
+    names = [f"{s}/padded" for s in systems]
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     if warm_up:
         run_system(names[0], member.workload, prompts, sizing, settings, None)
-    for repeat in range(repeats):
-        for name in rotated(names, repeat):
-            result = run_system(name, member.workload, prompts, sizing, settings, None)
-            s = result.summary()
-            steps = decode_steps(result.iterations)
-            runs[name.split("/")[0]].append({
-                "tok_s": s.decode_throughput, "tpot_p99": s.tpot_p99,
-                "decode_steps": len(steps),
-                "padded_tokens": sum(len(it.lengths) * max(it.lengths) - sum(it.lengths)
-                                     for it in steps),
-                "real_tokens": sum(sum(it.lengths) for it in steps),
-                "forward_s": sum(it.forward_time for it in steps)})
-    return {"member": member.name, "describe": member.describe(), "runs": runs, **kv,
-            "load_average": os.getloadavg()}
+    for name in [*rotated(names, first), "aligned/padded"]:
+        result = run_system(name, member.workload, prompts, sizing, settings, None)
+        s = result.summary()
+        steps = decode_steps(result.iterations)
+        runs[name.split("/")[0]].append({
+            "tok_s": s.decode_throughput, "tpot_p99": s.tpot_p99,
+            "decode_steps": len(steps),
+            "padded_tokens": sum(len(it.lengths) * max(it.lengths) - sum(it.lengths)
+                                 for it in steps),
+            "real_tokens": sum(sum(it.lengths) for it in steps),
+            "forward_s": sum(it.forward_time for it in steps), "load": os.getloadavg()[0]})
+    return {"member": member.name, "describe": member.describe(), "runs": runs, **kv}
 
 
 def test_family_on_the_engine() -> None:
@@ -206,22 +205,21 @@ def test_family_on_the_engine() -> None:
     out.write_text("")
     cost = cpu_cost("padded")
     for i, member in enumerate(members):
-        cell = engine_member(member, warm_up=i == 0)
+        cell = engine_member(member, first=i, warm_up=i == 0)
         cell["sim"] = sim_member(member, cost)
         with out.open("a") as f:
             f.write(json.dumps(cell, default=str) + "\n")
-        med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-               for s, runs in cell["runs"].items()}  # type: ignore[union-attr]
+        first = {s: runs[0] for s, runs in cell["runs"].items()}  # type: ignore[union-attr]
         print(member.name, member.describe(),
-              {s: (round(m["tok_s"], 1), round(m["tpot_p99"], 3)) for s, m in med.items()},
+              {s: (round(m["tok_s"], 1), round(m["tpot_p99"], 3)) for s, m in first.items()},
               "aligned steps", [r["decode_steps"] for r in cell["runs"]["aligned"]],  # type: ignore[index]
               flush=True)
 
 
 def test_family_on_the_engine_smollm2() -> None:
     """The real SmolLM2-135M-Instruct (grouped-query attention: its KV is a third of the
-    query heads' size) on the first ``ASERVE_FAMILY_SMOLLM2`` engine members, one run per
-    system (the same rotation as the OPT runs' first)."""
+    query heads' size) on the first ``ASERVE_FAMILY_SMOLLM2`` engine members: aligned, fcfs
+    and continuous, as the OPT runs."""
     count = int(os.environ.get("ASERVE_FAMILY_SMOLLM2", "3"))
     members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
                             output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)[:count]
@@ -229,7 +227,8 @@ def test_family_on_the_engine_smollm2() -> None:
     out = RESULTS / "family_engine_smollm2.jsonl"
     out.write_text("")
     for i, member in enumerate(members):
-        cell = engine_member(member, repeats=1, warm_up=i == 0, model="smollm2-135m-instruct")
+        cell = engine_member(member, first=i, warm_up=i == 0, model="smollm2-135m-instruct",
+                             systems=("aligned", "fcfs", "continuous"))
         with out.open("a") as f:
             f.write(json.dumps(cell, default=str) + "\n")
         print(member.name, member.describe(),

@@ -162,15 +162,26 @@ class AlignedPolicy(AlignedStrictPolicy):
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
         """(A starving request's subtree goes first, as ``aligned-strict``.) When the whole
-        pool fits, the whole pool, unless splitting it by length is predicted faster (then
-        the part that wastes less). Otherwise DFS, choosing among the subtrees at its first
-        fork (a node with two or more populated children) by the least ``waste`` per token
-        instead of by the request count alone; below the fork DFS descends by density."""
+        pool fits: nothing while requests are on their way to the pool on a device that also
+        decodes (``incoming``) and a spread of lengths costs; else the whole pool, unless
+        splitting it by length is predicted faster (then the part that wastes less).
+
+        NOTE: where prefill and decode share a device, decoding what is pooled while the
+        rest is still being prefilled spends no less of the device's time, and batches the
+        first requests to arrive, whatever their lengths; the refills then join that mix
+        and every step pads to its longest. Waiting, the prefills run first and the pool
+        holds the backlog to batch by length.
+
+        Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
+        more populated children) by the least ``waste`` per token instead of by the request
+        count alone; below the fork DFS descends by density."""
         self._begin(max_requests)
         root = self.tree.root
         if root.num_requests == 0:
             return []
         if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
+            if self.incoming and self.alignment_pays([1, self.config.max_len]):
+                return []  # more is coming: wait for a pool to choose from
             return self._whole_or_split()
         if not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
