@@ -30,7 +30,16 @@ class PrefillCore(Core):
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
+        num = len(self.waiting)
         self.waiting = deque(self.life.reap(list(self.waiting), now))
+        if len(self.waiting) < num:
+            self._left()
+
+    def _left(self) -> None:
+        """Seqs left the way to the pool without reaching it (ended): the batcher, whose
+        policy may wait for them (`Policy.incoming`), looks again."""
+        if self.wiring.batcher is not None:
+            self.wiring.batcher.wake()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """Prefilled KV goes to the host pool first, one seq at a time (aborted ones end
@@ -44,6 +53,7 @@ class PrefillCore(Core):
             self.blocked.popleft()
             if move is not None:
                 return [move]
+            self._left()
         return self.forward(now) if self.waiting else None
 
     def forward(self, now: float) -> Forward | None:
@@ -80,7 +90,10 @@ class PrefillCore(Core):
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
         forks = self._advance(step, token_ids, logprobs, now)
-        self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
+        live = [seq for seq in step.seqs if not seq.is_finished]
+        self.blocked.extend(live)
+        if len(live) < len(step.seqs):
+            self._left()
         return forks
 
     def fail(self, error: str, now: float) -> None:

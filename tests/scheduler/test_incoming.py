@@ -61,3 +61,29 @@ def test_a_shared_device_prefills_the_backlog_before_aligned_decodes() -> None:
     assert first_decode_after_last_prefill({})  # one "cpu" for both
     assert not first_decode_after_last_prefill(
         {"prefill_devices": ("p0",), "decode_devices": ("d0",)})  # apart: no waiting
+
+
+def test_requests_that_end_before_the_pool_do_not_leave_aligned_waiting() -> None:
+    """The last requests on their way to the pool end there (one output token, or an
+    abort while they wait for prefill): the batcher is woken, and the pooled ones decode."""
+    import dataclasses
+
+    from bench.workloads import Workload
+
+    load = synthetic(24, short_ratio=0.75, short_range=(16, 48), long_range=(200, 300),
+                     output_range=(8, 16), seed=2)
+    reqs = [*load.requests[:18], *(dataclasses.replace(r, output_len=1)
+                                   for r in load.requests[18:])]
+    cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
+                                   num_staging_blocks=400, num_host_blocks=2000,
+                                   max_prefill_tokens=64, min_requests=4, max_batch_size=32)
+    short_last = simulate(Workload("one-token-last", tuple(reqs)), "aligned", cluster,
+                          cost_model("padded"), max_events=100_000)
+    assert short_last.num_finished == 24
+    first = sorted(e.time for e in simulate(load, "aligned", cluster, cost_model(
+        "padded")).events if e.kind == "first_token")
+    aborts = {r.request_id: (first[17] + first[18]) / 2 for r in load.requests[18:]}
+    aborted = simulate(load, "aligned", cluster, cost_model("padded"), aborts=aborts,
+                       max_events=100_000)
+    assert aborted.num_finished == 24
+    assert sum(e.kind == "token" for e in aborted.events) > 0
