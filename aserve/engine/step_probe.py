@@ -9,10 +9,10 @@ run under every policy, as they are also the iteration logs' calibration rows).
 The constants are fitted once per machine, backend, geometry, dtype and probe, and cached
 (``cache_dir``): every later start-up on the same machine reads them, so one workload makes
 the same decisions on every run, whatever the timing noise of the run or of its probe. They
-are never refitted to the run's own records: those follow the run's noise (a refit moved a
-padded run's decisions by a tenth of its decode steps), and a policy that keeps batches
-aligned records few steps whose lengths differ, from which the weight of imbalance cannot be
-told. The probe's steps differ by design.
+are never refitted to the run's own records: those follow the run's noise (two runs of one
+workload then decide differently), and a policy that keeps batches aligned records few steps
+whose lengths differ, from which the weight of imbalance cannot be told. The probe's steps
+differ by design.
 """
 from __future__ import annotations
 
