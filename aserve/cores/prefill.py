@@ -36,8 +36,8 @@ class PrefillCore(Core):
             self._left()
 
     def _left(self) -> None:
-        """Seqs left the way to the pool without reaching it (ended): the batcher, whose
-        policy may wait for them (`Policy.incoming`), looks again."""
+        """Seqs left the way to the pool without reaching it (ended), or wait for pool room:
+        the batcher, whose policy may wait for them (`Policy.incoming`), looks again."""
         if self.wiring.batcher is not None:
             self.wiring.batcher.wake()
 
@@ -49,6 +49,7 @@ class PrefillCore(Core):
             seq = self.blocked[0]
             move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
             if move is None and not seq.is_finished:
+                self._left()  # held back by a full pool: the batcher must not wait for it
                 return None
             self.blocked.popleft()
             if move is not None:

@@ -87,3 +87,14 @@ def test_requests_that_end_before_the_pool_do_not_leave_aligned_waiting() -> Non
                        max_events=100_000)
     assert aborted.num_finished == 24
     assert sum(e.kind == "token" for e in aborted.events) > 0
+
+
+def test_a_host_pool_smaller_than_the_backlog_does_not_leave_aligned_waiting() -> None:
+    """Prefill stops when the pool is full; the batcher then stops waiting for the rest."""
+    load = synthetic(24, short_ratio=0.75, short_range=(16, 48), long_range=(200, 300),
+                     output_range=(8, 16), seed=2)
+    cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
+                                   num_staging_blocks=400, num_host_blocks=60,
+                                   max_prefill_tokens=64, min_requests=4, max_batch_size=32)
+    result = simulate(load, "aligned", cluster, cost_model("padded"), max_events=100_000)
+    assert result.num_finished == 24
