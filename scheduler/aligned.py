@@ -39,17 +39,19 @@ WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are e
 SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
 # NOTE: latency guard. TPOT counts every wait between two tokens, and an evicted seq waits,
 # in the candidate requests buffer, until blocks for all its KV are free: long for a long
-# seq on a full decode instance, spread over few tokens. So a seq that waits longer than
-# STALL_STEPS predicted steps for its next token goes first, in the order it stalled.
-# Admissions also leave the running seqs room to grow for HEADROOM_STEPS more steps (at
-# most HEADROOM_SHARE of the instance's blocks), so that evictions become rare; the stall
-# bound alone does not keep P99 TPOT down. That room is held back from the candidate batch
-# too, whose seqs wait for their second token meanwhile, so it shrinks as the candidate
-# batch waits: to none once its oldest seq has waited HEADROOM_STEPS predicted steps, as
-# long as the room was meant to protect the running seqs for (``headroom_kept``).
+# seq on a full decode instance, spread over few tokens. So a seq that has waited through
+# more than STALL_STEPS of its instance's steps for its next token goes first, in the order
+# it stalled. Admissions also leave the running seqs room to grow for HEADROOM_STEPS more
+# steps (at most HEADROOM_SHARE of the instance's blocks), so that evictions become rare;
+# the stall bound alone does not keep P99 TPOT down. That room is held back from the
+# candidate batch too, whose seqs wait for their second token meanwhile, so it shrinks as
+# the candidate batch waits: to none once it has waited HEADROOM_STEPS steps, as long as
+# the room was meant to protect the running seqs for (``headroom_kept``). Waits are counted
+# in the instance's boundaries, not seconds, so timing noise cannot move these decisions.
 HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
+WAITS_KEPT = 4096  # boundaries after which a wait no instance shows again is forgotten
 
 
 @register_policy
@@ -76,6 +78,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         self._last_times: dict[tuple[int, ...], float] = {}
         self._last_arrival = -math.inf  # the latest arrival seen so far (starvation_clock)
         self._pays: dict[tuple[int, int], bool] = {}  # alignment_pays by (shortest, longest)
+        # boundaries waited by each candidate request and candidate batch (``_count_waits``):
+        # key -> (its wait_start, boundaries waited, the tick it was last seen)
+        self._waits: dict[tuple[str, object], tuple[float, int, int]] = {}
+        self._tick = 0  # plan_boundary calls so far
 
     def add(self, seq: SeqView) -> None:
         super().add(seq)
@@ -156,15 +162,26 @@ class AlignedPolicy(AlignedStrictPolicy):
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
         """(A starving request's subtree goes first, as ``aligned-strict``.) When the whole
-        pool fits, the whole pool, unless splitting it by length is predicted faster (then
-        the part that wastes less). Otherwise DFS, choosing among the subtrees at its first
-        fork (a node with two or more populated children) by the least ``waste`` per token
-        instead of by the request count alone; below the fork DFS descends by density."""
+        pool fits: nothing while requests are on their way to the pool on a device that also
+        decodes (``incoming``) and a spread of lengths costs; else the whole pool, unless
+        splitting it by length is predicted faster (then the part that wastes less).
+
+        NOTE: where prefill and decode share a device, decoding what is pooled while the
+        rest is still being prefilled spends no less of the device's time, and batches the
+        first requests to arrive, whatever their lengths; the refills then join that mix
+        and every step pads to its longest. Waiting, the prefills run first and the pool
+        holds the backlog to batch by length.
+
+        Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
+        more populated children) by the least ``waste`` per token instead of by the request
+        count alone; below the fork DFS descends by density."""
         self._begin(max_requests)
         root = self.tree.root
         if root.num_requests == 0:
             return []
         if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
+            if self.incoming and self.alignment_pays([1, self.config.max_len]):
+                return []  # more is coming: wait for a pool to choose from
             return self._whole_or_split()
         if not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
@@ -289,6 +306,7 @@ class AlignedPolicy(AlignedStrictPolicy):
             (s.arrival_time for seqs in (view.running, view.candidate_requests,
                                          view.candidate_batch) for s in seqs),
             default=self._last_arrival))
+        waited = self._count_waits(view)
         batch_wait = oldest_wait(view.candidate_batch) if view.candidate_batch else None
         if self.is_starving(view, view.candidate_requests) or (
                 batch_wait is not None and self._past_threshold(view, batch_wait)):
@@ -320,10 +338,10 @@ class AlignedPolicy(AlignedStrictPolicy):
             step = growing_step(self.step_time, running, self._time)
             self._times.setdefault(tuple(running), step.time())
             self._running_step = (running, step)
-        stalled = self._stalled(view, running)
+        stalled = self._stalled(view, waited)
         if stalled:
             return plan_admissions(view, stalled, [], is_strict=True, reserve=reserve)
-        view = with_headroom(view, self.headroom_kept(view.now, running, batch_wait))
+        view = with_headroom(view, self.headroom_kept(waited.get(("batch", None), 0)))
         current = ([s for s in view.running if s.batch_id == view.current_batch_id]
                    if view.candidate_requests else [])  # only refills look at it
         requests = self._closest_first(view, current)
@@ -344,28 +362,43 @@ class AlignedPolicy(AlignedStrictPolicy):
         return sorted(view.running, key=lambda s: (s.batch_id == view.current_batch_id,
                                                    -s.length))
 
-    def _stalled(self, view: BoundaryView, running: Sequence[int]) -> list[SeqView]:
-        """Candidate requests (evicted seqs, mostly) without a token for longer than
-        ``STALL_STEPS`` predicted steps of the running batch, longest stalled first."""
-        if not view.candidate_requests:
-            return []
-        bound = self._stall_bound(running, STALL_STEPS)
-        stalled = [s for s in view.candidate_requests if view.now - s.wait_start > bound]
+    def _count_waits(self, view: BoundaryView) -> dict[tuple[str, object], int]:
+        """Boundaries of this instance that each candidate request (key ("seq", id)) and the
+        candidate batch (("batch", None)) have waited through without progress, this one
+        included: a count kept across calls, restarted when a wait starts anew."""
+        self._tick += 1
+        waits: dict[tuple[str, object], float] = {
+            ("seq", s.seq_id): s.wait_start for s in view.candidate_requests}
+        if view.candidate_batch:
+            batch_id = min(s.batch_id for s in view.candidate_batch)
+            waits["batch", batch_id] = oldest_wait(view.candidate_batch)
+        counts: dict[tuple[str, object], int] = {}
+        for key, start in waits.items():
+            seen = self._waits.get(key)
+            count = seen[1] + 1 if seen is not None and seen[0] == start else 1
+            self._waits[key] = (start, count, self._tick)
+            counts[("batch", None) if key[0] == "batch" else key] = count
+        if len(self._waits) > WAITS_KEPT:  # forget what no instance has shown for a while
+            self._waits = {k: v for k, v in self._waits.items()
+                           if self._tick - v[2] <= WAITS_KEPT}
+        return counts
+
+    @staticmethod
+    def _stalled(view: BoundaryView, waited: dict[tuple[str, object], int]) -> list[SeqView]:
+        """Candidate requests (evicted seqs, mostly) that have waited through more than
+        ``STALL_STEPS`` boundaries for a token, longest stalled first."""
+        stalled = [s for s in view.candidate_requests
+                   if waited.get(("seq", s.seq_id), 0) > STALL_STEPS]
         return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
 
-    def headroom_kept(self, now: float, running: Sequence[int],
-                      batch_wait: float | None) -> float:
-        """The share of the headroom kept at ``now``: 1 with no candidate batch
-        (``batch_wait`` None, else its oldest seq's ``wait_start``), less as that seq waits,
-        0 after ``HEADROOM_STEPS`` predicted steps of ``running``."""
-        if batch_wait is None or not running or not HEADROOM_STEPS:
+    @staticmethod
+    def headroom_kept(batch_waited: int) -> float:
+        """The share of the headroom kept once the candidate batch has waited through
+        ``batch_waited`` boundaries (0: there is none): 1 at first, less as it waits, 0
+        after ``HEADROOM_STEPS``."""
+        if not batch_waited or not HEADROOM_STEPS:
             return 1.0
-        bound = self._stall_bound(running, HEADROOM_STEPS)
-        return max(0.0, 1.0 - (now - batch_wait) / bound) if bound > 0 else 0.0
-
-    def _stall_bound(self, running: Sequence[int], steps: int) -> float:
-        """Seconds of ``steps`` predicted steps of the running batch (0 with none)."""
-        return steps * self._time(running) if running else 0.0
+        return max(0.0, 1.0 - batch_waited / HEADROOM_STEPS)
 
     def _lowers_waste(self, lengths: list[int], seq: SeqView) -> bool:
         """Whether ``seq`` joining seqs of ``lengths`` wastes no more per token.

@@ -13,6 +13,17 @@ import torch
 # take ~300 ms instead of ~2 ms. Benchmarks (bench/) keep torch's default.
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _step_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Engines under test cache their step-cost calibrations in the session's temporary
+    folder, not the user's (aserve/engine/step_probe.py `cache_dir`)."""
+    import os
+
+    from aserve.engine.step_probe import CACHE_ENV
+
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("step-cost"))
+
 TINY_HF = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
                num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
                do_layer_norm_before=True)

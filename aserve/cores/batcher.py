@@ -57,6 +57,10 @@ class BatcherCore(Core):
         self.pending: set[int] = set()  # instances whose window wants a matching pass
         self.num_batches = 0
         self.orders: list[Order] = []  # being staged
+        config = ctx.config
+        # prefill instances on a device a decode instance also runs on (`incoming`)
+        self.shared_prefills = [i for i, dev in enumerate(config.prefill_devices)
+                                if dev in config.decode_devices]
 
     def step(self, now: float) -> list[Move] | None:
         """The next staging copy of an order whose last copy has landed (an order all
@@ -139,6 +143,7 @@ class BatcherCore(Core):
             # NOTE: the policy's batch does not depend on the instance (`next_batch` is a
             # query of the pool), so only the first waiting instance is asked for
             batch = self.sched.max_batch_size
+            self.policy.incoming = self.incoming()
             ids = self.policy.next_batch(self.batch_blocks, batch, now)
             if not ids:  # only requests above the share: give one the whole cache
                 ids = self.policy.next_batch(self.num_decode_blocks, batch, now)
@@ -150,6 +155,19 @@ class BatcherCore(Core):
             if (order := self._match(instance, now)) is not None:
                 return order
         return None
+
+    def incoming(self) -> int:
+        """Requests on their way to the pool from the prefill instances that share a device
+        with a decode instance (`Policy.incoming`); 0 while one of those waits for host-pool
+        room: the pool would not take them before a batch leaves it."""
+        count = 0
+        for i in self.shared_prefills:
+            core = self.wiring.prefills[i].core
+            if core.blocked and (self.kv.free_blocks("host")
+                                 < self.kv.blocks_for(core.blocked[0].num_tokens)):
+                return 0
+            count += len(core.waiting) + len(core.prefilling) + len(core.blocked)
+        return count
 
     def match_order(self) -> list[int]:
         """The instances whose window wants a matching pass, the one with the most room

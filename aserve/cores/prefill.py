@@ -30,7 +30,16 @@ class PrefillCore(Core):
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
+        num = len(self.waiting)
         self.waiting = deque(self.life.reap(list(self.waiting), now))
+        if len(self.waiting) < num:
+            self._left()
+
+    def _left(self) -> None:
+        """Seqs left the way to the pool without reaching it (ended), or wait for pool room:
+        the batcher, whose policy may wait for them (`Policy.incoming`), looks again."""
+        if self.wiring.batcher is not None:
+            self.wiring.batcher.wake()
 
     def step(self, now: float) -> Forward | list[Move] | None:
         """Prefilled KV goes to the host pool first, one seq at a time (aborted ones end
@@ -40,10 +49,12 @@ class PrefillCore(Core):
             seq = self.blocked[0]
             move = self.life.reserve(seq, "host", at=now) if self.life.reap([seq], now) else None
             if move is None and not seq.is_finished:
+                self._left()  # held back by a full pool: the batcher must not wait for it
                 return None
             self.blocked.popleft()
             if move is not None:
                 return [move]
+            self._left()
         return self.forward(now) if self.waiting else None
 
     def forward(self, now: float) -> Forward | None:
@@ -80,7 +91,10 @@ class PrefillCore(Core):
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
                          packed=True)
         forks = self._advance(step, token_ids, logprobs, now)
-        self.blocked.extend(seq for seq in step.seqs if not seq.is_finished)
+        live = [seq for seq in step.seqs if not seq.is_finished]
+        self.blocked.extend(live)
+        if len(live) < len(step.seqs):
+            self._left()
         return forks
 
     def fail(self, error: str, now: float) -> None:

@@ -34,7 +34,7 @@ from aserve.engine.sequence import (
     SeqStatus,
     StepOutput,
 )
-from aserve.engine.step_probe import EngineStepCost, probe
+from aserve.engine.step_probe import EngineStepCost, cache_dir, probe
 from models.loader import resolve_dtype
 from models.registry import checkpoint_path
 from models.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -109,7 +109,7 @@ class Engine:
         # cost-model runner), else scheduler/cost_model.py's fitted to a start-up probe of the
         # decode device (synthetic steps over chosen lengths and batch sizes, run whatever the
         # policy: they are also every iteration log's calibration rows, as vLLM's profile
-        # run is run whatever the workload), then to this engine's iteration records
+        # run is run whatever the workload), or the fit cached for this machine and probe
         decode_runner = runners[cfg.decode_devices[0]]
         step_time = getattr(decode_runner, "step_time", None)
         if step_time is None:
@@ -118,8 +118,7 @@ class Engine:
                 cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size)
             step_time = EngineStepCost(
                 model_config, cfg.model.attention, cfg.decode_devices[0],
-                resolve_dtype(cfg.model.dtype).itemsize, self.ctx.life.iterations,
-                self.probe_iterations)
+                resolve_dtype(cfg.model.dtype).itemsize, self.probe_iterations, cache_dir())
         policy.step_time = step_time
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish

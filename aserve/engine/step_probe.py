@@ -2,26 +2,29 @@
 
 One model for both drivers: scheduler/cost_model.py's ``CostModel`` (weights, per-sequence overheads
 and the attention work of the backend: padded, per-sequence waves, split-K) of this
-engine's OPT geometry on its decode device, its constants fitted by scheduler/calibrate.py to a
+engine's geometry on its decode device, its constants fitted by scheduler/calibrate.py to a
 short probe at start-up (synthetic decode steps of chosen lengths and batch sizes, ``probe``;
-run under every policy, as they are also the iteration logs' calibration rows), then
-refitted to the engine's own decode iteration records as they accumulate, where that fits
-them better than the probe's constants do; the refits keep the probe's imbalance weight.
+run under every policy, as they are also the iteration logs' calibration rows).
 
-NOTE: the records alone are a poor start: a policy that keeps batches aligned records few
-steps whose lengths differ, so the weight of imbalance cannot be told from them (a fit to
-`aligned`'s own records on the shared CPU put it at 0, and the policy then mixed lengths).
-The probe's steps differ by design.
+The constants are fitted once per machine, backend, geometry, dtype and probe, and cached
+(``cache_dir``): every later start-up on the same machine reads them, so one workload makes
+the same decisions on every run, whatever the timing noise of the run or of its probe. They
+are never refitted to the run's own records: those follow the run's noise (two runs of one
+workload then decide differently), and a policy that keeps batches aligned records few steps
+whose lengths differ, from which the weight of imbalance cannot be told. The probe's steps
+differ by design.
 """
-
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
+import hashlib
+import json
+import logging
+import os
+import platform
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -31,22 +34,25 @@ from models.backends import ATTENTION_KERNELS
 from models.llama import LlamaConfig
 from models.opt import OPTConfig
 from scheduler import ceil_div
-from scheduler.calibrate import fit, record_lengths
-from scheduler.cost_model import CostModel, GrowingDecodeStep, ModelGeometry, kernel_kind
+from scheduler.calibrate import fit
+from scheduler.cost_model import (
+    CostModel,
+    CostParams,
+    GrowingDecodeStep,
+    ModelGeometry,
+    kernel_kind,
+)
 from scheduler.hardware import HARDWARE, get_hardware
 
-FIRST_FIT = 32  # decode iterations recorded before the constants are first refitted
-REFIT_GROWTH = 4  # then refitted each time the records have grown this many times...
-# ...up to this many, the most recent records a refit fits; then refitted every this many
-# new records. A fit's cost grows with its rows: a window keeps it bounded however long the
-# server runs, and the fit runs on a worker thread, never on the event loop.
-REFIT_WINDOW = 4096
+logger = logging.getLogger(__name__)
+
 PROBE_BATCH = 8  # seqs per probe step (at most the engine's max_batch_size)
 PROBE_LONGEST = 512  # KV tokens of the probe's longest seq (less if the cache is small)
-# NOTE: each probe step runs this many times and the fastest counts: with fewer, start-ups
-# on a shared CPU fit imbalance weights far apart, and two runs of one benchmark make
-# different decisions. The refits keep the probe's weight.
-PROBE_REPEATS = 6
+# NOTE: the probe runs its steps in this many rounds, each step once per round, and each
+# step's fastest run counts: a spell of interference from another process then slows one
+# round of every step, not every run of one step, and the fastest is the machine's own.
+PROBE_ROUNDS = 6
+CACHE_ENV = "ASERVE_STEP_COST_CACHE"  # folder of cached calibrations; "off": no cache
 
 
 def hardware_name(device: str) -> str:
@@ -58,14 +64,43 @@ def hardware_name(device: str) -> str:
     return next((key for key in HARDWARE if key != "cpu" and key in name), "h100")
 
 
+def cache_dir() -> Path | None:
+    """Where calibrations are cached: ``$ASERVE_STEP_COST_CACHE`` ("off": nowhere), else
+    aserve/step-cost under ``$XDG_CACHE_HOME`` (default ~/.cache)."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off") else Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "aserve" / "step-cost"
+
+
+def machine(device: str) -> dict[str, object]:
+    """What the step times of ``device`` depend on besides the model: the processor, the
+    threads torch uses, torch's version."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                     if line.startswith("model name")), platform.processor() or "cpu")
+    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 class EngineStepCost:
-    """``step_time(lengths)`` for one decode device, refitted from ``records`` (the
-    engine's iteration records, a list the engine keeps appending to and trims) on a worker
-    thread; a refit's model is taken at the first call after it is done."""
+    """``step_time(lengths)`` for one decode device: the cost model with the constants of
+    the calibration cached for this machine and probe, else fitted to ``probed`` (and
+    cached); the priors when there is no probe."""
 
     def __init__(self, model: OPTConfig | LlamaConfig, attention: str, device: str,
-                 dtype_bytes: int, records: list[IterationRecord],
-                 probed: Sequence[IterationRecord | Mapping[str, object]] = ()) -> None:
+                 dtype_bytes: int,
+                 probed: Sequence[IterationRecord | Mapping[str, object]] = (),
+                 cache: Path | None = None) -> None:
         geometry = ModelGeometry(
             "engine", model.num_layers, model.hidden_size, model.num_heads, model.ffn_dim,
             vocab_size=model.vocab_size, embed_dim=model.word_embed_proj_dim,
@@ -78,94 +113,65 @@ class EngineStepCost:
         self.hardware = dataclasses.replace(get_hardware(hardware_name(device)),
                                             dtype_bytes=dtype_bytes)
         self.model = CostModel(self.geometry, self.hardware, kernel=self.kernel)
-        self.records = records
-        self.next_fit = FIRST_FIT
-        self.num_fits = 0
-        self._num_at_fit = 0  # len(records) at the last refit (the engine trims old ones)
-        self._fitting: Future[CostModel | None] | None = None  # a refit on the worker thread
-        self._executor: ThreadPoolExecutor | None = None  # made at the first refit
-        self.probed = [dataclasses.asdict(r) if isinstance(r, IterationRecord) else r
-                       for r in probed] if len(probed) >= 3 else []
-        # the imbalance weight the probe measured, which refits keep (`refit`)
-        self.imbalance_weight: float | None = None
-        if self.probed:
-            self.model = self._fitted(self.probed)
-            self.imbalance_weight = self.model.params.imbalance_weight
-            self.num_fits += 1
+        self.source = "priors"  # or "probe" (fitted now) or the cached file's path
+        rows = [dataclasses.asdict(r) if isinstance(r, IterationRecord) else dict(r)
+                for r in probed]
+        if len(rows) < 3:
+            return
+        key = {"machine": machine(device), "attention": attention, "kernel": self.kernel,
+               "dtype_bytes": dtype_bytes, "geometry": dataclasses.asdict(geometry),
+               "probe": [list(r["lengths"]) for r in rows]}  # type: ignore[arg-type]
+        path = None if cache is None else cache / f"{_digest(key)}.json"
+        params = _read(path, key)
+        if params is None:
+            params = fit(rows, geometry, self.hardware.name, self.kernel, dtype_bytes).params
+            _write(path, key, params)
+            self.source = "probe"
+        else:
+            self.source = str(path)
+        self.model = CostModel(self.geometry, self.hardware, params, self.kernel)
 
     def __call__(self, lengths: Sequence[int]) -> float:
-        self._refresh()
         return self.model.iteration_time(lengths)
 
     def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
         """The step over ``lengths`` grown one seq at a time (scheduler/step_time.py
-        ``growing_step``), on the model ``__call__`` would use."""
-        self._refresh()
+        ``growing_step``), on the model ``__call__`` uses."""
         return self.model.decode_step(lengths)
 
-    def _refresh(self) -> None:
-        """Takes a finished background refit's model, and starts the next refit once due
-        (on a snapshot of the window: the worker never reads the list the engine appends
-        to)."""
-        if self._fitting is not None:
-            if not self._fitting.done():
-                return
-            refitted, self._fitting = self._fitting.result(), None
-            if refitted is not None:
-                self.model = refitted
-                self.num_fits += 1
-        num = len(self.records)
-        if num < self.next_fit and num >= self._num_at_fit:
-            return
-        self._schedule_next(num)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-refit")
-        self._fitting = self._executor.submit(self._refitted, self.records[-REFIT_WINDOW:])
 
-    def _schedule_next(self, num: int) -> None:
-        self._num_at_fit = num
-        self.next_fit = min(max(num, 1) * REFIT_GROWTH, num + REFIT_WINDOW)
+def _digest(key: Mapping[str, object]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
-    def refit(self) -> None:
-        """Refits now, in this thread (`_refitted`)."""
-        self._schedule_next(len(self.records))
-        refitted = self._refitted(self.records[-REFIT_WINDOW:])
-        if refitted is not None:
-            self.model = refitted
-            self.num_fits += 1
 
-    def _refitted(self, records: Sequence[IterationRecord]) -> CostModel | None:
-        """Fits the constants to the decode `records` (pure decode steps only) and the
-        probe's steps, which weigh as much as the records in all, keeping the imbalance
-        weight the probe measured.
-
-        NOTE: fitted to its records alone, a padded `aligned` run loses the imbalance weight
-        (its aligned steps cannot tell imbalance from per-seq overhead, as the module's
-        docstring warns), then mixes lengths and pays for padding; even with the probe's
-        steps in the fit a noisy spell can halve it. The probe's steps differ in length by
-        design and measure that weight; the records refine the rest."""
-        rows = [dataclasses.asdict(r) for r in records
-                if r.instance.startswith("decode") and r.num_prefill_tokens == 0]
-        if len(rows) < FIRST_FIT // 2:
+def _read(path: Path | None, key: Mapping[str, object]) -> CostParams | None:
+    """The cached constants for ``key``; None when there are none (or the file is not a
+    calibration of this key: it is then refitted and rewritten)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") != json.loads(json.dumps(key)):
             return None
-        probed = self.probed * (len(rows) // len(self.probed)) if self.probed else []
-        refitted = self._fitted(rows + probed)
-        current = self.model  # NOTE: read once; only the loop's thread replaces it
-        is_better = relative_error(refitted, rows) < relative_error(current, rows)
-        return refitted if is_better else None
-
-    def _fitted(self, rows: Sequence[Mapping[str, object]]) -> CostModel:
-        calibration = fit(rows, self.geometry, self.hardware.name, self.kernel,
-                          self.hardware.dtype_bytes, self.imbalance_weight)
-        return CostModel(self.geometry, self.hardware, calibration.params, self.kernel)
+        return CostParams(**doc["params"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        logger.warning("step-cost cache %s unreadable (%s): refitting", path, exc)
+        return None
 
 
-def relative_error(model: CostModel, rows: Sequence[Mapping[str, object]]) -> float:
-    """The median relative error of ``model``'s step times over iteration records."""
-    timed = [(r, t) for r in rows
-             if isinstance(t := r["forward_time"], (int, float)) and t > 0]
-    errors = [abs(model.iteration_time(*record_lengths(r)) / t - 1) for r, t in timed]
-    return statistics.median(errors) if errors else math.inf
+def _write(path: Path | None, key: Mapping[str, object], params: CostParams) -> None:
+    """Caches ``params`` for ``key`` (atomically); a cache that cannot be written is left
+    out with a warning: the engine serves with the constants it fitted."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "params": dataclasses.asdict(params)},
+                                  indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("step-cost cache %s not written (%s)", path, exc)
 
 
 def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_size: int,
@@ -193,24 +199,31 @@ def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_si
             if fits >= size:
                 batches.append([length] * size)
         size *= 2
-    return [_timed_step(runner, kv_cache, cached, block_size) for cached in batches]
+    return _timed_steps(runner, kv_cache, batches, block_size)
 
 
-def _timed_step(runner: ModelRunner, kv_cache: torch.Tensor, cached: list[int],
-                block_size: int) -> IterationRecord:
-    """One synthetic decode step over seqs of ``cached`` KV tokens, the fastest of
-    PROBE_REPEATS runs."""
-    items, first = [], 1
-    for i, length in enumerate(cached):
-        blocks = ceil_div(length + 1, block_size)
-        items.append(WorkItem([4 + i % 16], length, list(range(first, first + blocks)),
-                              True, 0.0, 1.0, -1, None, 0))
-        first += blocks
-    times, began = [], time.perf_counter()
-    for _ in range(PROBE_REPEATS):
-        start = time.perf_counter()
-        runner.execute_sync(items, kv_cache)
-        times.append(time.perf_counter() - start)
-    lengths = tuple(length + 1 for length in cached)
-    return IterationRecord("probe", began, len(cached), 0, min(lengths), max(lengths),
-                           min(times), 0.0, False, {}, lengths, (1,) * len(lengths))
+def _timed_steps(runner: ModelRunner, kv_cache: torch.Tensor, batches: list[list[int]],
+                 block_size: int) -> list[IterationRecord]:
+    """One synthetic decode step over seqs of each batch's KV tokens, run in
+    ``PROBE_ROUNDS`` rounds; each step's fastest run (the runner's own measure) counts."""
+    steps = []
+    for cached in batches:
+        items, first = [], 1
+        for i, length in enumerate(cached):
+            blocks = ceil_div(length + 1, block_size)
+            items.append(WorkItem([4 + i % 16], length, list(range(first, first + blocks)),
+                                  True, 0.0, 1.0, -1, None, 0))
+            first += blocks
+        steps.append(items)
+    times: list[list[float]] = [[] for _ in batches]
+    began = time.perf_counter()
+    for _ in range(PROBE_ROUNDS):
+        for items, timed in zip(steps, times):
+            timed.append(runner.execute_sync(items, kv_cache).forward_time)
+    records = []
+    for cached, timed in zip(batches, times):
+        lengths = tuple(length + 1 for length in cached)
+        records.append(IterationRecord("probe", began, len(cached), 0, min(lengths),
+                                       max(lengths), min(timed), 0.0, False, {}, lengths,
+                                       (1,) * len(lengths)))
+    return records

@@ -42,12 +42,16 @@ class CostRunner:
         decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
         chunks = [(i.start, len(i.token_ids)) for i in items
                   if not (i.start > 0 and len(i.token_ids) == 1)]
-        duration = self.cost.iteration_time(decode, chunks)
+        duration = self.duration(decode, chunks)
         loop = asyncio.get_running_loop()
         end = self.device.run(loop.time(), duration)[1]
         await asyncio.sleep(end - loop.time())
         return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
                           duration)
+
+    def duration(self, decode: list[int], chunks: list[tuple[int, int]]) -> float:
+        """Seconds of a step over ``decode`` lengths and prefill ``chunks``."""
+        return self.cost.iteration_time(decode, chunks)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,6 +1,7 @@
 """The cost-aware `aligned`'s latency guard (scheduler/aligned.py): admissions keep room
 for the running seqs to grow, and an evicted seq does not wait behind a stream of better
-fitting short ones beyond a bound counted in predicted steps. Pure policy, virtual time."""
+fitting short ones beyond a bound counted in its instance's steps. Pure policy, virtual
+time."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> N
     fresh = short("fresh", 9.0)
     view = BoundaryView(running, 100, BLOCK_SIZE, MAX_BATCH, (evicted, fresh),
                         (short("b0", 9.0),), 1, now=10.0)  # 100 blocks < the long seq's 251
-    plan = policy.plan_boundary(view)
-    assert not plan.admit_requests and not plan.admit_batch
+    plans = [policy.plan_boundary(view) for _ in range(aligned.STALL_STEPS + 1)]
+    assert plans[0].admit_requests == ("fresh",)  # before the long seq has stalled
+    assert not plans[-1].admit_requests and not plans[-1].admit_batch
 
 
 def test_admissions_leave_the_running_seqs_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,24 +115,24 @@ def test_headroom_is_at_most_a_share_of_a_small_instance(
     assert aligned.with_headroom(view) is view  # the default: no headroom
 
 
-@pytest.mark.parametrize("waited_steps,admitted", [(0, False), (15, False), (17, True),
+@pytest.mark.parametrize("waited_steps,admitted", [(1, False), (16, False), (17, True),
                                                    (aligned.HEADROOM_STEPS + 1, True)])
 def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
                                                            admitted: bool) -> None:
     # 16 shorts hold 112 blocks and need none for two steps; the staged seq needs 63 of the
     # 80 free. The full headroom holds back 1/8 of the 192 blocks (24), leaving 56: it waits.
-    # The headroom kept falls linearly to none after HEADROOM_STEPS predicted steps of
-    # waiting (a padded cost, where grouping pays: 4096 + 16 x 100 per step), so 63 fit
-    # once at most 17 of the 24 are held back: past 16 of the 64 steps. (Where grouping
+    # The headroom kept falls linearly to none after HEADROOM_STEPS boundaries of waiting
+    # (under a padded cost, where grouping pays), so 63 fit once at most 17 of the 24 are
+    # held back: past 16 of the 64 boundaries, however long each step took. (Where grouping
     # cannot pay, `aligned` keeps no headroom: it admits as fcfs does.)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
-    step = padded_step_time([SHORT] * 16)
     staged = SeqView("b", 1000, 63, 0.0, 2, waiting_since=0.0)
-    view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2,
-                        now=waited_steps * step)
+    view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2, now=1.0)
     assert blocks_to_admit(staged, BLOCK_SIZE, 1) == 63 and growth(running, BLOCK_SIZE, 1) == 0
     policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
-    assert policy.plan_boundary(view).admit_batch == (("b",) if admitted else ())
+    plans = [policy.plan_boundary(view) for _ in range(waited_steps)]
+    assert not any(p.admit_batch for p in plans[:min(16, waited_steps - 1)])
+    assert plans[-1].admit_batch == (("b",) if admitted else ())
     fifo = get_policy("aligned", PolicyConfig(starvation_threshold=None))  # total work
     assert fifo.plan_boundary(view).admit_batch == ("b",)
     loose = get_policy("aligned-loose", PolicyConfig(starvation_threshold=None))

@@ -1,0 +1,242 @@
+"""Prefix-aware batching on a family of workloads, not one (`pytest -m bench`, not CI).
+
+Members are drawn by bench/family.py from one seed (``ASERVE_FAMILY_SEED``): short share
+60-95 %, long prompts 2-10x the short mean, outputs 32-256 tokens, decode KV 15-100 % of all
+requests' KV, 32-256 requests; offline. Per member: fcfs's bubble (padded KV tokens beyond
+the real ones, and the imbalance term's share of its predicted step time), `aligned` against
+fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
+(sim/bound.py): the best static length-sorted schedule the search finds, as a gain over fcfs.
+
+- Simulator: ``ASERVE_FAMILY_SIM`` members (default 24) on the cost models calibrated on
+  the development CPU (OPT-125m, bf16): padded from benchmarks/data's scaled-down padded
+  run, paged from an engine start-up probe of paged attention (benchmarks/data).
+- Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
+  32-40 output tokens, opt-125m bf16, padded, each system once (the order rotated from one
+  member to the next) and `aligned` a second time, last.
+
+    ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.family import Member, sample_family
+from bench.workloads import Workload
+from scheduler.calibrate import Record, fit, load_records
+from scheduler.cost_model import CostModel, get_geometry
+from scheduler.hardware import get_hardware
+from sim import simulate
+from sim.bound import bubble, decode_steps, ideal_decode_time, search_decode_time
+from sim.cluster import ClusterConfig
+
+pytestmark = pytest.mark.bench
+RESULTS = Path(__file__).resolve().parent / "results"
+DATA = Path(__file__).resolve().parent / "data"
+SEED = int(os.environ.get("ASERVE_FAMILY_SEED", "1"))  # held out: developed on seed 0
+NUM_SIM = int(os.environ.get("ASERVE_FAMILY_SIM", "24"))
+NUM_ENGINE = int(os.environ.get("ASERVE_FAMILY_ENGINE", "6"))
+SYSTEMS = ("aligned", "fcfs", "continuous", "aligned-loose")
+MODEL, DTYPE, BLOCK_SIZE, MAX_LEN = "opt-125m", "bfloat16", 16, 2040
+ENGINE_REQUESTS, ENGINE_OUTPUTS = (32, 36), (32, 40)  # the family's small end: a 2-core CPU
+PAGED_PROBE = DATA / "paged_probe.jsonl"  # an engine's start-up probe, paged attention
+
+
+def cpu_cost(kernel: str) -> CostModel:
+    """The development CPU's cost model for ``kernel`` ("padded" or "split-k": paged)."""
+    records: list[Record] = []
+    if kernel == "padded":
+        for path in sorted((DATA / "padded_scaled_down.iterations").glob("*.jsonl")):
+            if "continuous" not in path.name:  # colocated steps mix prompts in
+                records += load_records(path)[1]
+    else:
+        records = load_records(PAGED_PROBE)[1]
+    calibration = fit(records, MODEL, "cpu", kernel, 2)  # type: ignore[arg-type]
+    hw = dataclasses.replace(get_hardware("cpu"), dtype_bytes=2)
+    return CostModel(get_geometry(MODEL), hw, calibration.params, kernel)  # type: ignore[arg-type]
+
+
+def sizes(member: Member) -> dict[str, int]:
+    """KV sizes for ``member``, as ``bench.harness.size_engine`` sizes a workload, with
+    the member's decode KV: a batch is what decode KV holds of median requests."""
+    w = member.workload
+    blocks = sorted(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in w.requests)
+    decode = member.num_decode_blocks(BLOCK_SIZE)
+    batch = max(1, decode // blocks[len(blocks) // 2])
+    longest_prompt = max(r.prompt_len for r in w.requests)
+    return dict(block_size=BLOCK_SIZE, num_decode_blocks=decode,
+                num_prefill_blocks=2 * -(-max(2048, longest_prompt) // BLOCK_SIZE) + blocks[-1],
+                num_staging_blocks=2 * decode, max_batch_size=2 * batch, min_requests=batch)
+
+
+def sim_member(member: Member, cost: CostModel) -> dict[str, object]:
+    """Every system on ``member`` in the simulator, fcfs's bubble, and the bound."""
+    kv = sizes(member)
+    blocks = sum(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE)
+                 for r in member.workload.requests)
+    cluster = ClusterConfig.create(**kv, num_host_blocks=2 * blocks)
+    rows: dict[str, dict[str, float]] = {}
+    for system in SYSTEMS:
+        result = simulate(member.workload, system, cluster, cost)
+        s = result.summary()
+        steps = decode_steps(result.iterations)
+        rows[system] = {"tok_s": s.decode_throughput, "tpot_p99": s.tpot_p99,
+                        "duration": s.duration, "decode_steps": len(steps),
+                        "finished": float(result.num_finished == result.num_requests)}
+        if system == "fcfs":
+            b = bubble(result.iterations, cost)
+            read = b.real_tokens + b.padded_tokens
+            fcfs_bubble = {"padded_per_step": b.padded_per_step,
+                           "padded_share": b.padded_tokens / max(1, read),
+                           "imbalance_share": b.imbalance_share}
+            prefill = sum(it.forward_time for it in result.iterations
+                          if it.instance.startswith("prefill"))
+            tokens = s.decode_throughput * s.duration
+    args = (member.workload, cost, kv["num_decode_blocks"], BLOCK_SIZE, kv["max_batch_size"])
+    search = prefill + search_decode_time(*args)
+    ideal = prefill + ideal_decode_time(*args)
+    return {"member": member.name, "describe": member.describe(), "rows": rows,
+            "fcfs_bubble": fcfs_bubble, "bound_tok_s": tokens / search,
+            "ideal_tok_s": tokens / ideal, **kv}
+
+
+def verdicts(cell: dict[str, object]) -> dict[str, float]:
+    rows = cell["rows"]
+    assert isinstance(rows, dict)
+    a, f = rows["aligned"], rows["fcfs"]
+    best = max(rows[s]["tok_s"] for s in ("fcfs", "continuous", "aligned-loose"))
+    bound = max(float(cell["bound_tok_s"]), *(r["tok_s"] for r in rows.values()))  # type: ignore[arg-type]
+    gain = bound / f["tok_s"]
+    return {"vs_best": a["tok_s"] / best, "vs_fcfs": a["tok_s"] / f["tok_s"],
+            "tpot_vs_fcfs": a["tpot_p99"] / f["tpot_p99"], "bound_gain": gain,
+            "share_of_gain": ((a["tok_s"] / f["tok_s"] - 1) / (gain - 1)) if gain > 1.0
+            else math.nan}
+
+
+def sim_markdown(kernel: str, cells: list[dict[str, object]]) -> str:
+    head = ["member", "workload", "decode blocks", "fcfs padded KV/step (share)",
+            "fcfs imbalance % of step", "aligned tok/s", "×fcfs", "×continuous",
+            "×aligned-loose", "P99 TPOT ×fcfs", "bound ×fcfs", "aligned share of gain"]
+    lines = [f"### Simulator, {kernel}", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for c in cells:
+        r, v, b = c["rows"], verdicts(c), c["fcfs_bubble"]
+        a = r["aligned"]["tok_s"]  # type: ignore[index]
+        lines.append("| " + " | ".join([
+            str(c["member"]), str(c["describe"]), str(c["num_decode_blocks"]),
+            f"{b['padded_per_step']:.0f} ({b['padded_share']:.0%})",  # type: ignore[index]
+            f"{b['imbalance_share'] * 100:.0f}", f"{a:.1f}",  # type: ignore[index]
+            *(f"{a / r[s]['tok_s']:.2f}" for s in ("fcfs", "continuous", "aligned-loose")),  # type: ignore[index]
+            f"{v['tpot_vs_fcfs']:.2f}", f"{v['bound_gain']:.2f}",
+            "–" if math.isnan(v["share_of_gain"]) else f"{v['share_of_gain']:.0%}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def test_family_in_the_simulator() -> None:
+    members = sample_family(NUM_SIM, SEED, max_len=MAX_LEN)
+    doc: dict[str, object] = {"seed": SEED, "members": NUM_SIM}
+    text = [f"Family seed {SEED}, {NUM_SIM} members, simulator calibrated on this CPU\n"]
+    missed = []
+    for kernel in ("padded", "split-k"):
+        cost = cpu_cost(kernel)
+        started = time.perf_counter()
+        cells = [sim_member(m, cost) for m in members]
+        print(f"{kernel}: {time.perf_counter() - started:.0f} s")
+        doc[kernel] = cells
+        text.append(sim_markdown(kernel, cells))
+        for c in cells:
+            v = verdicts(c)
+            ok = round(v["vs_best"], 2) >= 0.97 and round(v["tpot_vs_fcfs"], 2) <= 1.1
+            if v["bound_gain"] >= 1.3 and not v["share_of_gain"] >= 0.8:
+                ok = False
+            if not ok:
+                missed.append((kernel, c["member"], {k: round(x, 3) for k, x in v.items()}))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "family_sim.json").write_text(json.dumps(doc, indent=1, default=str))
+    (RESULTS / "family_sim.md").write_text("\n".join(text))
+    print("\n".join(text))
+    print("missed:", missed)
+    assert not missed
+
+
+def engine_member(member: Member, first: int = 0, warm_up: bool = False,
+                  model: str = MODEL, systems: tuple[str, ...] = SYSTEMS) -> dict[str, object]:
+    """Each system on ``member`` through the engine once, in ``systems`` order rotated by
+    ``first``, then `aligned` once more (its second run: the same decisions?); after one
+    run left out, with ``warm_up`` (first-call costs)."""
+    from bench.bench_cli import BenchSettings, rotated, run_system
+    from bench.harness import Sizing, model_config, workload_prompts
+
+    settings = BenchSettings(model=model, dtype=DTYPE, realtime=False)
+    arch = model_config(model)
+    kv = sizes(member)
+    prompts = workload_prompts(member.workload, arch.vocab_size, settings.seed)
+    sizing = Sizing(**kv, host_pool_gb=0.25, pool_ratio=math.nan)
+    names = [f"{s}/padded" for s in systems]
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    if warm_up:
+        run_system(names[0], member.workload, prompts, sizing, settings, None)
+    for name in [*rotated(names, first), "aligned/padded"]:
+        result = run_system(name, member.workload, prompts, sizing, settings, None)
+        s = result.summary()
+        steps = decode_steps(result.iterations)
+        runs[name.split("/")[0]].append({
+            "tok_s": s.decode_throughput, "tpot_p99": s.tpot_p99,
+            "decode_steps": len(steps),
+            "padded_tokens": sum(len(it.lengths) * max(it.lengths) - sum(it.lengths)
+                                 for it in steps),
+            "real_tokens": sum(sum(it.lengths) for it in steps),
+            "forward_s": sum(it.forward_time for it in steps), "load": os.getloadavg()[0]})
+    return {"member": member.name, "describe": member.describe(), "runs": runs, **kv}
+
+
+def test_family_on_the_engine() -> None:
+    members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
+                            output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "family_engine.jsonl"
+    out.write_text("")
+    cost = cpu_cost("padded")
+    for i, member in enumerate(members):
+        cell = engine_member(member, first=i, warm_up=i == 0)
+        cell["sim"] = sim_member(member, cost)
+        with out.open("a") as f:
+            f.write(json.dumps(cell, default=str) + "\n")
+        first = {s: runs[0] for s, runs in cell["runs"].items()}  # type: ignore[union-attr]
+        print(member.name, member.describe(),
+              {s: (round(m["tok_s"], 1), round(m["tpot_p99"], 3)) for s, m in first.items()},
+              "aligned steps", [r["decode_steps"] for r in cell["runs"]["aligned"]],  # type: ignore[index]
+              flush=True)
+
+
+def test_family_on_the_engine_smollm2() -> None:
+    """The real SmolLM2-135M-Instruct (grouped-query attention: its KV is a third of the
+    query heads' size) on the first ``ASERVE_FAMILY_SMOLLM2`` engine members: aligned, fcfs
+    and continuous, as the OPT runs."""
+    count = int(os.environ.get("ASERVE_FAMILY_SMOLLM2", "3"))
+    members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
+                            output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)[:count]
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "family_engine_smollm2.jsonl"
+    out.write_text("")
+    for i, member in enumerate(members):
+        cell = engine_member(member, first=i, warm_up=i == 0, model="smollm2-135m-instruct",
+                             systems=("aligned", "fcfs", "continuous"))
+        with out.open("a") as f:
+            f.write(json.dumps(cell, default=str) + "\n")
+        print(member.name, member.describe(),
+              {s: (round(r[0]["tok_s"], 1), round(r[0]["tpot_p99"], 3))
+               for s, r in cell["runs"].items()}, flush=True)  # type: ignore[union-attr]
+
+
+def test_workload_names_stay_unique_across_members() -> None:
+    names = [m.name for m in sample_family(4, SEED)]
+    assert len(set(names)) == 4 and all(isinstance(m.workload, Workload)
+                                        for m in sample_family(2, SEED))

@@ -1,0 +1,144 @@
+"""How much any batching policy could win on an offline workload, and how big its bubble is.
+
+``search_decode_time``: the best static schedule found by a search over length-sorted
+partitions (each part one decode batch run to completion, the parts one after another;
+a dynamic program over every contiguous partition of the requests sorted by prompt length,
+then by final length, within the decode instance's blocks and batch size). It is a schedule
+a policy could follow, so it says what is within reach, not a proof that nothing does
+better: continuous refills can beat it where outputs differ widely.
+
+``ideal_decode_time``: every token at the per-token cost of a full batch of its own length
+(no padding, no imbalance, no small batches), a floor no schedule goes below under the model.
+
+``bubble``: what one run's decode steps padded (KV tokens beyond the real ones) and the
+share of their predicted time that is imbalance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from aserve.engine.sequence import IterationRecord
+from bench.workloads import Workload, WorkloadRequest
+from scheduler import ceil_div
+from scheduler.cost_model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class Bubble:
+    """The padding of a run's decode steps."""
+
+    padded_tokens: int  # KV tokens read beyond each seq's own (padded to the longest)
+    real_tokens: int  # KV tokens of the seqs themselves
+    imbalance_share: float  # of the steps' predicted time, the imbalance term's share
+    num_steps: int
+
+    @property
+    def padded_per_step(self) -> float:
+        return self.padded_tokens / self.num_steps if self.num_steps else math.nan
+
+
+def decode_steps(iterations: Sequence[IterationRecord]) -> list[IterationRecord]:
+    """The pure decode steps of decode instances (no prompt tokens mixed in)."""
+    return [it for it in iterations
+            if it.num_prefill_tokens == 0 and it.lengths and not it.instance.startswith(
+                ("prefill", "probe"))]
+
+
+def bubble(iterations: Sequence[IterationRecord], cost: CostModel) -> Bubble:
+    """The padding of ``iterations``' decode steps, and the share of their predicted time
+    (``cost``) that is the kernel's imbalance."""
+    steps = decode_steps(iterations)
+    padded = sum(len(it.lengths) * max(it.lengths) - sum(it.lengths) for it in steps)
+    real = sum(sum(it.lengths) for it in steps)
+    total = imbalance = 0.0
+    for it in steps:
+        f = cost.features(it.lengths)
+        total += cost.time_of(f)
+        imbalance += cost.params.imbalance_scale * f.imbalance_bytes / cost._bw
+    return Bubble(padded, real, imbalance / total if total else math.nan, len(steps))
+
+
+def step_times(cost: CostModel, num: np.ndarray, total: np.ndarray,
+               longest: np.ndarray) -> np.ndarray:
+    """``cost.iteration_time`` of decode steps of ``num`` seqs holding ``total`` KV tokens,
+    the longest ``longest``, for many steps at once (padded and split-K kernels; the
+    per-seq kernels' waves need each seq's length, ``ValueError``). Steps of no seqs take 0."""
+    if cost.kernel not in ("padded", "split-k"):
+        raise ValueError(f"kernel ({cost.kernel!r}) must be padded or split-k here")
+    g, p = cost.geometry, cost.params
+    kvb = cost.kv_bytes_per_token
+    mem = cost.weight_bytes + total * kvb
+    flops = (g.dense_flops_per_token + g.lm_head_flops) * num + cost._attn_flops * total
+    imbalance = (num * longest - total) * kvb if cost.kernel == "padded" else 0.0 * num
+    times = (p.step_overhead + p.per_seq_overhead * num + p.imbalance_scale * imbalance
+             / cost._bw + np.maximum(mem / cost._bw, flops / cost._rate))
+    return np.where(num > 0, times, 0.0)
+
+
+def _decode_lengths(req: WorkloadRequest) -> tuple[int, int]:
+    """(length at its first decode step, number of decode steps): the prefill samples the
+    first token, each decode step one more."""
+    return req.prompt_len + 1, req.output_len - 1
+
+
+def search_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
+                       block_size: int, max_batch_size: int) -> float:
+    """The least decode time of a static schedule found by the search (module docstring)."""
+    return min(_partition(sorted(workload.requests, key=key), cost, num_blocks, block_size,
+                          max_batch_size)
+               for key in (lambda r: (r.prompt_len, r.output_len),
+                           lambda r: (r.prompt_len + r.output_len, r.prompt_len)))
+
+
+def _partition(reqs: Sequence[WorkloadRequest], cost: CostModel, num_blocks: int,
+               block_size: int, max_batch_size: int) -> float:
+    """Dynamic program: best[j] = min over i of best[i] + time(reqs[i:j] as one batch)."""
+    n = len(reqs)
+    first = np.array([_decode_lengths(r)[0] for r in reqs])
+    steps = np.array([_decode_lengths(r)[1] for r in reqs])
+    blocks = [ceil_div(r.prompt_len + r.output_len, block_size) for r in reqs]
+    horizon = int(steps.max(initial=0))
+    k = np.arange(horizon)
+    best = [0.0] + [math.inf] * n
+    for i in range(n):
+        if math.isinf(best[i]):
+            continue
+        num = np.zeros(horizon)
+        total = np.zeros(horizon)
+        longest = np.zeros(horizon)
+        held = 0
+        for j in range(i, min(n, i + max_batch_size)):
+            held += blocks[j]
+            if held > num_blocks:
+                break
+            active = k < steps[j]
+            length = first[j] + k
+            num += active
+            total += np.where(active, length, 0)
+            longest = np.where(active, np.maximum(longest, length), longest)
+            cand = best[i] + float(step_times(cost, num, total, longest).sum())
+            if cand < best[j + 1]:
+                best[j + 1] = cand
+    return best[n]
+
+
+def ideal_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
+                      block_size: int, max_batch_size: int) -> float:
+    """Every decode token at the per-token time of the largest batch of its own length the
+    instance holds (``max_batch_size`` seqs, or as many as its blocks hold)."""
+    total = 0.0
+    for req in workload.requests:
+        first, num = _decode_lengths(req)
+        if num <= 0:
+            continue
+        length = first + np.arange(num)
+        fits = np.maximum(1, np.minimum(max_batch_size,
+                                        num_blocks // np.ceil(length / block_size)))
+        per_token = step_times(cost, fits, fits * length, length) / fits
+        total += float(per_token.sum())
+    return total
