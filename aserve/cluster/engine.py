@@ -22,6 +22,7 @@ import torch
 from aserve.cluster.driver import RayActor, RayKVSpace
 from aserve.cluster.worker import NodeWorker
 from aserve.cores import kv_stores
+from aserve.engine.config import EngineConfig
 from aserve.engine.engine import Engine, RunnerFactory
 from aserve.engine.errors import EngineError, NodeLost
 from aserve.engine.sequence import IterationRecord
@@ -61,18 +62,41 @@ def holders(stores: Mapping[str, tuple[str, int]], num_prefill: int,
             if uses_pool or not name.startswith("prefill")}
 
 
+def start_workers(config: EngineConfig, uses_pool: bool = True,
+                  runner_factory: RunnerFactory | None = None) -> dict[str, Any]:
+    """One NodeWorker actor per instance of `config`, by instance name, each placed by its
+    role's resource and restarted by Ray on a node that offers it, should its node die
+    (the process must be connected to Ray). `runner_factory` is built on each worker."""
+    import ray
+
+    remote = ray.remote(NodeWorker)
+    return {name: remote.options(
+        resources={resource: 1}, num_cpus=0,
+        num_gpus=1 if torch.device(dev).type == "cuda" else 0, max_restarts=-1,
+    ).remote(config.model, dev, config.cache.block_size, config.seed, config.num_threads,
+             runner_factory)
+        for name, (dev, resource) in instances(config.prefill_devices, config.decode_devices,
+                                               uses_pool).items()}
+
+
 class ClusterEngine(Engine):
     """An Engine whose instances run on the nodes of the Ray cluster at
-    `config.ray_address` (see the module). `runner_factory` is built on each worker."""
+    `config.ray_address` (see the module). `runner_factory` is built on each worker.
+
+    `workers` (from `start_workers`, for this config's instances; the models they loaded
+    are kept) are used instead of starting new ones, and left running at `stop`: a front
+    end can start again without reloading the nodes. Their stores are opened afresh."""
 
     def __init__(self, config: Any = None, runner_factory: RunnerFactory | None = None,
-                 transport: InterNodeTransport | None = None) -> None:
+                 transport: InterNodeTransport | None = None,
+                 workers: Mapping[str, Any] | None = None) -> None:
         super().__init__(config, runner_factory)
         if self.config.ray_address is None:
             raise ValueError("ray_address must name a Ray cluster ('auto' or HOST:PORT)")
         self._worker_factory = runner_factory
         self.transport = transport or ObjectStoreTransport()
-        self.workers: dict[str, Any] = {}  # instance -> its NodeWorker actor
+        self._owns_workers = workers is None
+        self.workers: dict[str, Any] = dict(workers or {})  # instance -> its NodeWorker actor
         self.nodes: dict[str, str] = {}  # instance -> the Ray node id it last ran on
         self._uses_pool = True
         self._connected = False  # this engine connected the process to Ray
@@ -89,23 +113,20 @@ class ClusterEngine(Engine):
             ray.init(address=cfg.ray_address, log_to_driver=False)
             self._connected = True
         self._uses_pool = POLICIES[cfg.scheduler.policy].uses_pool
-        remote = ray.remote(NodeWorker)
-        for name, (dev, resource) in instances(cfg.prefill_devices, cfg.decode_devices,
-                                               self._uses_pool).items():
-            self.workers[name] = remote.options(
-                resources={resource: 1}, num_cpus=0,
-                num_gpus=1 if torch.device(dev).type == "cuda" else 0, max_restarts=-1,
-            ).remote(cfg.model, dev, cfg.cache.block_size, cfg.seed, cfg.num_threads,
-                     self._worker_factory)
+        wanted = instances(cfg.prefill_devices, cfg.decode_devices, self._uses_pool)
+        if self._owns_workers:
+            self.workers = start_workers(cfg, self._uses_pool, self._worker_factory)
+        elif missing := sorted(set(wanted) - set(self.workers)):
+            raise ValueError(f"workers has no worker for instance(s) {', '.join(missing)}")
+        self.workers = {name: self.workers[name] for name in wanted}
         try:
             configs = await asyncio.wait_for(asyncio.gather(
                 *(w.model_config.remote() for w in self.workers.values())), START_TIMEOUT_S)
         except asyncio.TimeoutError:
-            wanted = sorted({r for _, r in instances(cfg.prefill_devices, cfg.decode_devices,
-                                                    self._uses_pool).values()})
+            roles = sorted({resource for _, resource in wanted.values()})
             raise EngineError(f"the cluster at {cfg.ray_address} placed no worker within "
                               f"{START_TIMEOUT_S:g} s: does it offer the resources "
-                              f"{', '.join(wanted)} (ray start --resources)?") from None
+                              f"{', '.join(roles)} (ray start --resources)?") from None
         await self._locate()
         return configs[0], {}
 
@@ -159,8 +180,9 @@ class ClusterEngine(Engine):
     def _close_devices(self) -> None:
         import ray
 
-        for worker in self.workers.values():
-            ray.kill(worker, no_restart=True)
+        if self._owns_workers:
+            for worker in self.workers.values():
+                ray.kill(worker, no_restart=True)
         self.workers.clear()
         if self._connected:
             ray.shutdown()
