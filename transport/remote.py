@@ -13,7 +13,6 @@ and reads and writes the same rows; nothing above transport/ changes.
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -105,5 +104,4 @@ class ObjectStoreTransport:
     async def send(self, src: ActorHandle, src_store: str, src_ids: list[int],
                    dst: ActorHandle, dst_store: str, dst_ids: list[int]) -> int:
         rows = src.export_blocks.remote(src_store, src_ids)
-        return await asyncio.wrap_future(  # type: ignore[no-any-return]
-            dst.import_blocks.remote(dst_store, dst_ids, rows).future())
+        return await dst.import_blocks.remote(dst_store, dst_ids, rows)  # type: ignore[no-any-return]

@@ -53,9 +53,14 @@ class RayKVSpace(BlockLedger):
             now = clock()
             self.commit(move, now, now)
             return
+        start = clock()
+        await self.transfer(move)
+        self.commit(move, start, clock())
+
+    async def transfer(self, move: Move) -> None:
+        """The copy of a move that is not a hand-over, on the workers; nothing committed."""
         src_ids, dst_ids = self.tables(move)
         src, dst = self.holders[move.src], self.holders[move.dst]
-        start = clock()
         try:
             if src == dst:
                 await self.workers[src].copy_blocks.remote(move.src, src_ids, move.dst, dst_ids)
@@ -67,7 +72,6 @@ class RayKVSpace(BlockLedger):
             if not lost:
                 raise
             raise self.on_lost(lost[0], exc) from exc
-        self.commit(move, start, clock())
 
     def used_by_worker(self) -> dict[str, dict[str, int]]:
         """Blocks in use in each store, grouped by the worker holding it."""

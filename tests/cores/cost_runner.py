@@ -37,17 +37,22 @@ class CostRunner:
         return make
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:
-        """Decode items (one new token after a cached prefix) cost as decode, the others as
-        prefill chunks; the step waits for the device like the simulator's."""
-        decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
-        chunks = [(i.start, len(i.token_ids)) for i in items
-                  if not (i.start > 0 and len(i.token_ids) == 1)]
-        duration = self.cost.iteration_time(decode, chunks)
+        """The step waits for the device like the simulator's (see `cost_step`)."""
+        result = cost_step(self.cost, items)
         loop = asyncio.get_running_loop()
-        end = self.device.run(loop.time(), duration)[1]
+        end = self.device.run(loop.time(), result.forward_time)[1]
         await asyncio.sleep(end - loop.time())
-        return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
-                          duration)
+        return result
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def cost_step(cost: CostModel, items: list[WorkItem]) -> StepResult:
+    """A step's outputs under the cost model: decode items (one new token after a cached
+    prefix) cost as decode, the others as prefill chunks; token 0 for each sampled item."""
+    decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
+    chunks = [(i.start, len(i.token_ids)) for i in items
+              if not (i.start > 0 and len(i.token_ids) == 1)]
+    return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
+                      cost.iteration_time(decode, chunks))
