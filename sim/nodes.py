@@ -53,25 +53,30 @@ class Hop:
 @dataclass(frozen=True)
 class Network:
     """Which node each device (and the host pool, "host") is on, and the link between any
-    two nodes."""
+    two nodes: one NIC a node, or with `nic_per_device` one a device (a GPU with its own
+    RDMA NIC, as in 8-GPU servers with eight), so moves into different devices do not
+    queue behind each other."""
 
     nodes: Mapping[str, str]  # device name (or "host") -> node name
     link: NetworkLink
+    nic_per_device: bool = False
 
     def hop(self, src: str, dst: str) -> Hop | None:
         """The way from device `src` to device `dst`; None within one node."""
         a, b = self.nodes.get(src), self.nodes.get(dst)
         if a is None or b is None or a == b:
             return None
-        return Hop(f"{a}->{b}", self.link.bandwidth, self.link.latency)
+        name = f"{src}->{dst}" if self.nic_per_device else f"{a}->{b}"
+        return Hop(name, self.link.bandwidth, self.link.latency)
 
 
-def split_network(config: ClusterConfig, link: NetworkLink) -> Network:
+def split_network(config: ClusterConfig, link: NetworkLink,
+                  nic_per_device: bool = False) -> Network:
     """Prefill devices and the host pool on one node, decode devices on another (the
     colocated devices of `continuous` are placed as the cluster lists them)."""
     nodes = {dev: "prefill-node" for dev in config.prefill_devices}
     nodes |= {dev: "decode-node" for dev in config.decode_devices}
-    return Network(nodes | {"host": "prefill-node"}, link)
+    return Network(nodes | {"host": "prefill-node"}, link, nic_per_device)
 
 
 def replica_halves(workload: Workload) -> tuple[Workload, Workload]:
@@ -82,7 +87,7 @@ def replica_halves(workload: Workload) -> tuple[Workload, Workload]:
 
 def compare(workload: Workload, systems: list[str], cost: CostModel, gpus_per_node: int,
             replica_split: tuple[int, int], links: list[NetworkLink],
-            **overrides: Any) -> list[Summary]:
+            nic_per_device: bool = False, **overrides: Any) -> list[Summary]:
     """For each system: prefill on one node's GPUs and decode on the other's, over each
     link; then a replica on each node with `replica_split` (prefill, decode) GPUs, the
     requests dealt alternately (merged into one summary)."""
@@ -93,7 +98,7 @@ def compare(workload: Workload, systems: list[str], cost: CostModel, gpus_per_no
     for system in systems:
         for link in links if POLICIES[system].uses_pool else links[:1]:
             result = simulate(workload, system, split, cost,
-                              network=split_network(split, link))
+                              network=split_network(split, link, nic_per_device))
             label = f"{system} split-by-node {link.name}" if POLICIES[system].uses_pool \
                 else f"{system} {2 * gpus_per_node} colocated"
             rows.append(summarize(label, result.events, result.iterations))
@@ -119,6 +124,8 @@ def main(argv: list[str]) -> int:
                         help="prefill,decode devices of each node's replica")
     parser.add_argument("--links", default=",".join(LINKS), help="links to compare")
     parser.add_argument("--systems", default=",".join(sorted(POLICIES)), help="policies")
+    parser.add_argument("--nic-per-gpu", action="store_true",
+                        help="a NIC for each GPU (else one for each node)")
     parser.add_argument("--kernel", default="split-k", choices=KERNELS,
                         help="decode attention kernel to cost")
     args = parser.parse_args(argv)
@@ -131,9 +138,10 @@ def main(argv: list[str]) -> int:
     links = [LINKS[name] for name in args.links.split(",")]
     workload = build_workload(args)
     rows = compare(workload, args.systems.split(","), cost, args.gpus_per_node,
-                   (prefill, decode), links, min_requests=PAPER_MIN_REQUESTS)
+                   (prefill, decode), links, args.nic_per_gpu, min_requests=PAPER_MIN_REQUESTS)
+    nics = "a NIC per GPU" if args.nic_per_gpu else "one NIC per node"
     print(f"# {workload.name}: {workload.num_requests} requests, {args.model} on 2 x "
-          f"{args.gpus_per_node} {hw.name}, {args.kernel} kernel; links "
+          f"{args.gpus_per_node} {hw.name}, {args.kernel} kernel, {nics}; links "
           + ", ".join(f"{x.name} {x.bandwidth / GB:.1f} GB/s {x.latency * 1e6:g} us"
                       for x in links) + "\n")
     print(markdown_table(rows))

@@ -48,6 +48,14 @@ def test_the_slower_link_delays_the_decode_nodes_kv() -> None:
     assert ends["ethernet-100g"] > ends["rdma-400g"]
 
 
+def test_a_nic_per_device_keeps_moves_into_two_devices_apart() -> None:
+    cluster = cluster_for(COST.hardware, COST.geometry, 1, 2)
+    shared, apart = (split_network(cluster, LINKS["rdma-400g"], per) for per in (False, True))
+    assert shared.hop("gpu0", "gpu1") == shared.hop("gpu0", "gpu2")
+    assert apart.hop("gpu0", "gpu1") != apart.hop("gpu0", "gpu2")
+    assert shared.hop("gpu1", "gpu2") is None  # within the decode node
+
+
 def test_replicas_share_the_requests_alternately() -> None:
     a, b = replica_halves(workload(5))
     assert [r.request_id for r in a.requests] == ["r0", "r2", "r4"]
