@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,8 @@ class RayActor(Actor):
         self.device = device  # after Actor's: it has no local runner
         self.reopen = reopen  # re-opens a restarted worker's stores
         self.offline: str | None = None  # why, while its worker is lost
+        self.num_calls = 0  # forwards run on the worker
+        self.call_overhead = 0.0  # seconds of them outside the worker's forward (RPC, pickling)
 
     @property
     def worker(self) -> Any:
@@ -105,6 +108,7 @@ class RayActor(Actor):
     async def forward(self, step: Forward) -> StepResult:
         items = [work_item(s, self.ctx.kv.table(s), n)
                  for s, n in zip(step.seqs, step.num_new_tokens)]
+        began = time.perf_counter()
         try:
             result, written = await self.worker.execute.remote(self.name, items)
         except Exception as exc:
@@ -114,14 +118,17 @@ class RayActor(Actor):
         for item, out in zip(items, written):  # prompt logprobs the worker wrote
             if item.prompt_logprobs is not None and out is not None:
                 item.prompt_logprobs.out[:] = out
+        self.num_calls += 1
+        self.call_overhead += time.perf_counter() - began - result.forward_time
         return result
 
     def go_offline(self, error: str) -> None:
         if self.offline is None:
             logger.error("%s is offline: %s", self.name, error)
             self.offline = error
+            self.core.is_offline = True
             if isinstance(self.core, DecodeCore):
-                self.core.is_offline, self.core.wants_batch = True, False
+                self.core.wants_batch = False
                 if self.ctx.wiring.batcher is not None:
                     self.ctx.wiring.batcher.core.forget_window(self.core.index)
         self.wake()
@@ -149,8 +156,8 @@ class RayActor(Actor):
             await self.reopen(self.name)
             logger.info("%s is back", self.name)
             self.offline = None
+            self.core.is_offline = False
             if isinstance(self.core, DecodeCore):
-                self.core.is_offline = False
                 self.core.ask_for_batch()
 
 

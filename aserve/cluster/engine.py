@@ -212,6 +212,11 @@ class ClusterEngine(Engine):
                           for w, used in self._context.kv.used_by_worker().items()}  # type: ignore[attr-defined]
         return stats
 
+    def call_overheads(self) -> dict[str, float]:
+        """Mean seconds per forward that an instance's call to its worker took beyond the
+        forward itself (the call, its arguments and results), by instance."""
+        return {a.name: a.call_overhead / a.num_calls for a in self.ray_actors if a.num_calls}
+
     def blocks_by_node(self) -> dict[str, int]:
         """KV blocks in use on each Ray node, summed over the stores its workers hold."""
         out: dict[str, int] = {}

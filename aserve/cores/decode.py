@@ -39,8 +39,6 @@ class DecodeCore(Core):
         self.cand_batch: list[SeqState] = []
         self.cand_batch_id = self.current_batch_id = -1
         self.wants_batch = True  # a batch was asked for (the first: `Wiring.connect`)
-        # its driver lost the device (a node of a cluster): it asks for no batch until back
-        self.is_offline = False
         self.window: tuple[int, int] | None = None
         self._freed: set[str] = set()  # stores whose blocks this boundary's moves freed
         self._admissions: BoundaryPlan | None = None  # planned, not yet reserved
