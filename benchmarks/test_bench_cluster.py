@@ -107,3 +107,54 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
                      f"| {per_key(rs, 'call_overhead_ms')} "
                      f"| {per_key(rs, 'move_ms', 'num_moves')} |")
     return "\n".join(lines) + "\n"
+
+
+MOVE_BLOCKS = (1, 8, 32)  # blocks per move (opt-125m: 16 tokens each)
+MOVE_REPEATS = 20
+
+
+def test_one_kv_move_between_nodes_against_one_in_a_process() -> None:
+    """The time of one move alone (nothing else running): between two workers on two
+    nodes through the object store, against a copy between two stores of one process.
+    Results land in benchmarks/results/cluster_moves.md."""
+    import torch
+
+    from aserve.cluster.worker import NodeWorker
+    from aserve.engine.config import ModelConfig
+    from tests.cluster.conftest import start_cluster
+    from transport.kv import KVGeometry
+    from transport.remote import NodeStores, ObjectStoreTransport
+
+    geometry = KVGeometry(12, 12, 64, 16, torch.float32)  # opt-125m
+    layout = {"staging0": ("cpu", 64)}, {"decode0": ("cpu", 64)}
+    local = start_cluster(1)
+    rows = []
+    try:
+        remote = ray.remote(NodeWorker)
+        src, dst = (remote.options(resources={r: 1}, num_cpus=0).remote(
+            ModelConfig(model="opt-tiny"), "cpu", 16, 0, 1)
+            for r in ("aserve_prefill", "aserve_decode"))
+        ray.get([src.open_stores.remote(layout[0], geometry, False),
+                 dst.open_stores.remote(layout[1], geometry, False)])
+        stores = NodeStores({**layout[0], **layout[1]}, geometry, False)
+        transport = ObjectStoreTransport()
+        for n in MOVE_BLOCKS:
+            ids = list(range(1, n + 1))
+            between, within = [], []
+            for _ in range(MOVE_REPEATS):
+                began = time.perf_counter()
+                asyncio.run(transport.send(src, "staging0", ids, dst, "decode0", ids))
+                between.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                stores.copy_blocks("staging0", ids, "decode0", ids)
+                within.append(time.perf_counter() - began)
+            rows.append(f"| {n} | {n * geometry.bytes_per_block / 2**20:.1f} "
+                        f"| {1e3 * statistics.median(between):.2f} "
+                        f"| {1e3 * statistics.median(within):.2f} |")
+    finally:
+        ray.shutdown()
+        local.cluster.shutdown()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cluster_moves.md").write_text(
+        "| blocks | MiB | between two nodes ms (median) | within one process ms (median) |\n"
+        "|---|---|---|---|\n" + "\n".join(rows) + "\n")
