@@ -12,6 +12,7 @@ takes no batch until its worker answers again (Ray restarts it on a node that jo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -92,6 +93,7 @@ class RayActor(Actor):
         self.device = device  # after Actor's: it has no local runner
         self.reopen = reopen  # re-opens a restarted worker's stores
         self.offline: str | None = None  # why, while its worker is lost
+        self._asked = 0.0  # when it last asked its lost worker whether it is back
         self.num_calls = 0  # forwards run on the worker
         self.call_overhead = 0.0  # seconds of them outside the worker's forward (RPC, pickling)
 
@@ -126,6 +128,7 @@ class RayActor(Actor):
         if self.offline is None:
             logger.error("%s is offline: %s", self.name, error)
             self.offline = error
+            self._asked = self.ctx.clock()
             self.core.is_offline = True
             if isinstance(self.core, DecodeCore):
                 self.core.wants_batch = False
@@ -134,24 +137,31 @@ class RayActor(Actor):
         self.wake()
 
     async def _while_offline(self) -> None:
-        """Ends what the instance holds, returns its staged candidates to the pool, and
-        every RETRY_S asks its worker whether it is back."""
+        """Ends what the instance holds (its waiting requests, which hold no KV yet, go to
+        an entry instance online if there is one), returns its staged candidates to the
+        pool, and every RETRY_S asks its worker whether it is back."""
         now = self.ctx.clock()
         assert self.offline is not None
         self.core.fail(self.offline, now)
         if isinstance(self.core, DecodeCore):
             for move in self.core.release_candidates(now):
                 await self.carry_out(move)
-        else:  # an entry instance: its waiting requests hold no KV yet
+        else:
             waiting = list(self.core.waiting)
             self.core.waiting.clear()
+            wiring = self.ctx.wiring
+            online = any(not d.core.is_offline for d in wiring.prefills or wiring.decodes)
             for seq in waiting:
-                self.ctx.life.finish(seq, SeqStatus.FINISHED_ERROR, self.offline, at=now)
-        try:
-            await asyncio.wait_for(self._woken.wait(), RETRY_S)
-            return  # woken: end what arrived first
-        except asyncio.TimeoutError:
-            pass
+                if online:
+                    wiring.submit(seq, front=True)
+                else:
+                    self.ctx.life.finish(seq, SeqStatus.FINISHED_ERROR, self.offline, at=now)
+        wait = self._asked + RETRY_S - self.ctx.clock()
+        if wait > 0:  # woken meanwhile: end what arrived first
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), wait)
+            return
+        self._asked = self.ctx.clock()
         if await answers(self.worker):
             await self.reopen(self.name)
             logger.info("%s is back", self.name)
