@@ -1,7 +1,8 @@
-"""One local Ray cluster for the tests of this folder (`ray.cluster_utils.Cluster`: three
-raylets on this machine, CPU only): a head node offering prefill instances and two decode
-nodes. The tests skip where Ray is not installed; the cluster is shut down at the end, also
-when a test fails, and a test that kills a node adds one back."""
+"""One local Ray cluster for the tests of this folder that need one
+(`ray.cluster_utils.Cluster`: three raylets on this machine, CPU only): a head node offering
+prefill instances and two decode nodes. Those tests skip where Ray is not installed; the
+cluster is shut down at the end, also when a test fails, and a test that kills a node adds
+one back."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the cluster extra (Ray) is not installed")
-from ray.cluster_utils import Cluster  # noqa: E402
+from aserve.cluster.engine import DECODE_RESOURCE, PREFILL_RESOURCE
+from tests.conftest import make_config
 
-from aserve.cluster.engine import DECODE_RESOURCE, PREFILL_RESOURCE  # noqa: E402
-from tests.conftest import make_config  # noqa: E402
+ray: Any
+try:
+    import ray
+except ImportError:  # the modules that need Ray skip (NEEDS_RAY)
+    ray = None
+NEEDS_RAY = "the cluster extra (Ray) is not installed"
 
 OBJECT_STORE_BYTES = 80 * 2**20  # per node: KV of opt-tiny moves in far less
 # NOTE: a node that dies without saying so is declared dead after this many missed checks
@@ -48,6 +53,8 @@ class LocalCluster:
 
 
 def start_cluster(num_decode_nodes: int) -> LocalCluster:
+    from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {PREFILL_RESOURCE: 1},
         "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,

@@ -27,7 +27,7 @@ from scheduler import PolicyConfig, get_policy
 from sim import ClusterConfig, simulate
 from sim.drivers import SimContext
 from tests.cluster import cost_worker
-from tests.cluster.conftest import LocalCluster, ray
+from tests.cluster.conftest import NEEDS_RAY, LocalCluster, ray
 from tests.cores import cost_runner
 from tests.cores.test_differential import (
     ABORTS,
@@ -40,6 +40,8 @@ from tests.cores.test_differential import (
     run_engine,
     workload,
 )
+
+pytest.importorskip("ray", reason=NEEDS_RAY)
 
 POLICIES = sorted(REGISTERED)  # every registered policy
 

@@ -16,11 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import openai
+import pytest
 
 from aserve.engine.config import ServerConfig
 from aserve.entrypoints.server import ENGINE
 from tests.aserve.conftest import API_KEY, MODEL, LiveServer
-from tests.cluster.conftest import LocalCluster, cluster_config
+from tests.cluster.conftest import NEEDS_RAY, LocalCluster, cluster_config
+
+pytest.importorskip("ray", reason=NEEDS_RAY)
 
 T = TypeVar("T")
 NUM_REQUESTS = 12

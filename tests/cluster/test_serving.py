@@ -21,8 +21,10 @@ from aserve.engine.engine import Engine
 from aserve.entrypoints.server import ENGINE as ENGINE_KEY
 from scheduler import POLICIES
 from tests.aserve.conftest import API_KEY, MODEL, LiveServer, read_metrics
-from tests.cluster.conftest import LocalCluster, cluster_config, ray
+from tests.cluster.conftest import NEEDS_RAY, LocalCluster, cluster_config, ray
 from tests.conftest import make_config
+
+pytest.importorskip("ray", reason=NEEDS_RAY)
 
 PROMPTS = ["Hello, my name is", [2, 50, 60, 70, 80], "The capital of France is a city that",
            "a"]
