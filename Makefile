@@ -1,6 +1,7 @@
 # AlignedServe: `make run` sets up and runs the server, `make test` sets up and runs the tests.
-# Each command installs only what it needs: serving deps for run, test and bench extras for
-# test (the tests cover the bench harness), the same for bench, lint tools for lint.
+# Each command installs only what it needs: serving deps for run, test, bench and cluster
+# extras for test (the tests cover the bench harness and serve on a local Ray cluster), the
+# same for bench, lint tools for lint.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,8 +23,8 @@ $(VENV)/.base: Makefile
 
 # One stamp per set of extras; `pip install -e` adds to what is there.
 EXTRAS_serve :=
-EXTRAS_test := [test,bench]
-EXTRAS_bench := [test,bench]
+EXTRAS_test := [test,bench,cluster]
+EXTRAS_bench := [test,bench,cluster]
 EXTRAS_dev := [dev]
 $(VENV)/.installed-%: pyproject.toml $(VENV)/.base
 	$(BIN)/pip install -q -e '.$(EXTRAS_$*)'

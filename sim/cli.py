@@ -5,6 +5,7 @@
         --plots DIR [--calibration FILE] [--num-requests N] [--split best [--gpus 8]]
     aserve sim calibrate RECORDS.jsonl --out FILE [--model M --hardware H --kernel K]
     aserve sim validate --records RECORDS.jsonl --measured BENCH.json --workload ...
+    aserve sim nodes [--links rdma-400g,ethernet-100g] ... (sim/nodes.py: two nodes)
 """
 
 from __future__ import annotations
@@ -298,7 +299,9 @@ def validate_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of `aserve sim` (dispatched from aserve/entrypoints/cli.py)."""
-    commands = {"calibrate": calibrate_main, "validate": validate_main}
+    from sim.nodes import main as nodes_main
+
+    commands = {"calibrate": calibrate_main, "validate": validate_main, "nodes": nodes_main}
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from aserve.cores import BlockLedger, Core, Forward, Lifecycle, Move, Wiring, kv_stores
 from aserve.engine.sequence import SeqStatus
@@ -15,6 +16,9 @@ from scheduler import Policy
 from scheduler.cost_model import CostModel
 from sim.cluster import ClusterConfig
 from sim.loop import Device, EventLoop
+
+if TYPE_CHECKING:
+    from sim.nodes import Network
 
 
 @dataclass
@@ -25,6 +29,7 @@ class SimContext:
     cost: CostModel
     policy: Policy
     record_tokens: bool = True
+    network: Network | None = None  # nodes and the link between them; None: one node
     loop: EventLoop = field(default_factory=EventLoop)
     links: dict[str, Device] = field(default_factory=dict)  # a GPU's link timelines
     policy_time: float = 0.0  # real seconds spent deciding (inside the cores), not simulated
@@ -56,12 +61,17 @@ class SimContext:
     def transfer(self, move: Move, start: float) -> float:
         """Books `move`'s copy from `start` on its link and returns when it lands. Host moves
         use the device's PCIe link, one per direction; device moves the device link
-        (NVLink), or a plain memcpy within one device. A link is a timeline of its own whose
-        copies queue behind each other (FIFO); on a CPU (`not hardware.is_gpu`) the copies
-        occupy the device's compute timeline, as the engine runs CPU-to-CPU copies in the
-        device's thread, between its forwards."""
+        (NVLink), or a plain memcpy within one device; between devices on two nodes of a
+        `network`, its link from one node to the other (sim/nodes.py). A link is a timeline
+        of its own whose copies queue behind each other (FIFO); on a CPU
+        (`not hardware.is_gpu`) the copies occupy the device's compute timeline, as the
+        engine runs CPU-to-CPU copies in the device's thread, between its forwards."""
         hw = self.cost.hardware
         src, dst = (self.store_devices.get(name, "host") for name in (move.src, move.dst))
+        num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
+        if self.network is not None and (hop := self.network.hop(src, dst)) is not None:
+            link = self.links.setdefault(hop.name, Device(hop.name))  # a NIC, one way
+            return link.run(start, hop.latency + num_bytes / hop.bandwidth)[1]
         if move.src == "host":
             device, name, bandwidth = dst, f"{dst}.h2d", hw.host_link_bandwidth
         elif move.dst == "host":
@@ -70,7 +80,6 @@ class SimContext:
             device, name = src, f"{src}->{dst}"
             bandwidth = hw.memory_bandwidth if src == dst else hw.device_link_bandwidth
         link = self.links.setdefault(name, Device(name)) if hw.is_gpu else self.devices[device]
-        num_bytes = self.cost.kv_bytes(move.num_blocks, self.config.block_size)
         return link.run(start, num_bytes / bandwidth)[1]
 
 

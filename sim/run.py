@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from aserve.engine.sequence import (
     Event,
@@ -24,6 +25,9 @@ from scheduler import PolicyConfig, get_policy, tree_range
 from scheduler.cost_model import CostModel
 from sim.cluster import ClusterConfig
 from sim.drivers import Instance, SimContext
+
+if TYPE_CHECKING:
+    from sim.nodes import Network
 
 MIN_TREE_RANGE = 2048  # quad-tree range floor: OPT's position table (tokens)
 
@@ -52,11 +56,14 @@ class SimResult:
 
 def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostModel,
              record_tokens: bool = True, aborts: Mapping[str, float] | None = None,
-             horizon: float = math.inf, max_events: int | None = None) -> SimResult:
+             horizon: float = math.inf, max_events: int | None = None,
+             network: Network | None = None) -> SimResult:
     """Replays `workload` through the registered policy `system` on the simulated cluster;
     `aborts` ends the named requests at the given times, as `Engine.abort` would. The run
     stops at simulated time `horizon` or after `max_events` loop events, whichever comes
     first, so a run that stops making progress ends with `num_finished < num_requests`.
+    With a `network` (sim/nodes.py) the devices sit on its nodes, and KV moves between
+    two nodes take its link.
 
     Raises:
         ValueError: for an unknown policy or a request that cannot fit
@@ -66,7 +73,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
     longest = max((r.prompt_len + r.output_len for r in workload.requests), default=1)
     policy = get_policy(system, PolicyConfig.of(config.scheduler, tree_range(
         max(MIN_TREE_RANGE, longest + 1))), cost.iteration_time)
-    ctx = SimContext(config, cost, policy, record_tokens)
+    ctx = SimContext(config, cost, policy, record_tokens, network)
     ctx.wiring.connect(partial(Instance, ctx), ctx, ctx.decode_devices)
     for req, at in zip(workload.requests, arrival_stamps(workload), strict=True):
         ctx.kv.check_fits(req.prompt_len + req.output_len, policy.uses_pool,

@@ -104,6 +104,8 @@ class Core:
     running: list[SeqState]  # a decode (or colocated) core's running batch
     current_batch_id = -1  # a decode core's running batch (its iterations may mix two)
     prefilled = SeqStatus.PREFILLING  # a seq's status once its prefill has ended here
+    # its driver lost the device (a node of a cluster): it takes no new work until back
+    is_offline = False
 
     def __init__(self, ctx: Any, name: str, index: int = 0) -> None:
         """`ctx`: what the cores of one engine (or simulated cluster) share, the driver's

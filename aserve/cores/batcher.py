@@ -127,6 +127,11 @@ class BatcherCore(Core):
             self.life.reap(ended, now)
             self.wiring.pool_space()
 
+    def forget_window(self, instance: int) -> None:
+        """Decode instance `instance` went offline: its window takes no more requests."""
+        self.windows.pop(instance, None)
+        self.pending.discard(instance)
+
     def report_window(self, instance: int, window: Window) -> None:
         self.windows[instance] = window
         self.pending.add(instance)

@@ -62,7 +62,7 @@ class DecodeCore(Core):
         self.ask_for_batch()
 
     def ask_for_batch(self) -> None:
-        if not self.cand_batch and not self.wants_batch:
+        if not self.cand_batch and not self.wants_batch and not self.is_offline:
             self.wants_batch = True
             self.wiring.to_batcher(WantsBatch())
 
@@ -140,6 +140,14 @@ class DecodeCore(Core):
             seq.num_computed_tokens = 0
             self.wiring.submit(seq, front=True)  # prefill it again, first in line
         return [move] if move else []
+
+    def release_candidates(self, now: float) -> list[Move]:
+        """The instance went offline (its driver lost the device): the staged candidates
+        go back to the host pool, to be batched for another instance; those the pool has
+        no room for yet stay staged."""
+        self.cand_requests.extend(self.cand_batch)
+        self.cand_batch = []
+        return [move for seq in list(self.cand_requests) if (move := self._to_pool(seq, now))]
 
     def _to_pool(self, seq: SeqState, now: float) -> Move | None:
         """A running seq or a candidate request -> host pool, to be batched again. If the

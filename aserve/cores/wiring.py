@@ -61,8 +61,10 @@ class Wiring:
 
     def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new request (or one to prefill again, `front` first in line) goes to the
-        entry instance with the fewest waiting tokens (prefill, or colocated)."""
+        entry instance with the fewest waiting tokens (prefill, or colocated) among those
+        online, if any is."""
         entry = self.prefills or self.decodes
+        entry = [driver for driver in entry if not driver.core.is_offline] or entry
         target = min(entry, key=lambda driver: sum(s.num_tokens for s in driver.core.waiting))
         target.core.submit(seq, front)
         target.wake()

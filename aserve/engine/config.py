@@ -170,6 +170,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKey
     # so a long-running server's memory stays bounded); None keeps the full log
     trace_limit: int | None = 8192
     num_threads: int | None = None  # torch CPU threads for the process; None: torch's default
+    # a Ray cluster ("auto", or the head's HOST:PORT) whose nodes run the instances, placed by
+    # the resources aserve_prefill and aserve_decode (docs/cluster.md); None: this process
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.trace_limit is not None and self.trace_limit < 2:
@@ -183,6 +186,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_FlatKey
         for dev in (*self.prefill_devices, *self.decode_devices):
             if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
                 raise ValueError(f"device ({dev!r}) must be 'cpu' or 'cuda[:N]'")
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ValueError("ray_address must be 'auto' or HOST:PORT, not empty")
 
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
@@ -223,7 +228,8 @@ def _fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
 
 
 _AREAS = ("model", "cache", "scheduler")  # EngineConfig's fields that are config objects
-_TOP_LEVEL = ("prefill_devices", "decode_devices", "seed", "trace_limit", "num_threads")
+_TOP_LEVEL = ("prefill_devices", "decode_devices", "seed", "trace_limit", "num_threads",
+              "ray_address")
 VLLM_NAMES = {"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_prefill_tokens",
               "max_model_len": "max_position_embeddings"}  # vLLM's name -> ours, same meaning
 _AREA_OF: dict[str, str] = {

@@ -81,11 +81,7 @@ class Engine:
         # NOTE: as vLLM's `seed`: sampled requests without a seed of their own draw from the
         # global RNG, so a run repeats when its requests are batched the same way.
         torch.manual_seed(cfg.seed)
-        runners: dict[str, ModelRunner] = {}
-        for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
-            runners[dev] = await asyncio.to_thread(
-                self._runner_factory, cfg.model, torch.device(dev), cfg.cache.block_size)
-        model_config = next(iter(runners.values())).model_config
+        model_config, runners = await self._open_devices()
         default_source = checkpoint_path(cfg.model.model)
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer or default_source,
@@ -98,9 +94,7 @@ class Engine:
         sched = cfg.scheduler
         policy = get_policy(sched.policy, PolicyConfig.of(
             sched, tree_range(model_config.max_position_embeddings)))
-        # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
-        kv = await asyncio.to_thread(KVSpace, cfg, geometry,
-                                     {dev: r.executor for dev, r in runners.items()})
+        kv = await self._open_kv(geometry, runners, policy.uses_pool)
         self.ctx = EngineContext(cfg, kv, runners, policy,  # type: ignore[arg-type]
                                  Lifecycle(kv, model_config.eos_token_id,
                                            trace_limit=cfg.trace_limit),
@@ -110,19 +104,16 @@ class Engine:
         # decode device (synthetic steps over chosen lengths and batch sizes, run whatever the
         # policy: they are also every iteration log's calibration rows, as vLLM's profile
         # run is run whatever the workload), or the fit cached for this machine and probe
-        decode_runner = runners[cfg.decode_devices[0]]
-        step_time = getattr(decode_runner, "step_time", None)
+        step_time = getattr(runners.get(cfg.decode_devices[0]), "step_time", None)
         if step_time is None:
-            self.probe_iterations = await decode_runner.call(
-                probe, decode_runner, kv["decode0"].tensor, cfg.cache.num_decode_blocks,
-                cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size)
+            self.probe_iterations = await self._probe(max_len)
             step_time = EngineStepCost(
                 model_config, cfg.model.attention, cfg.decode_devices[0],
                 resolve_dtype(cfg.model.dtype).itemsize, self.probe_iterations, cache_dir())
         policy.step_time = step_time
         self.vocab_size = model_config.vocab_size
         self.ctx.life.on_finish = self._on_finish
-        self.ctx.wiring.connect(partial(Actor, self.ctx), self.ctx, cfg.decode_devices)
+        self.ctx.wiring.connect(self._driver(), self.ctx, cfg.decode_devices)
         self._tasks = [asyncio.create_task(a.run(), name=a.name) for a in self.actors]
         for task in self._tasks:
             task.add_done_callback(self._on_actor_exit)
@@ -132,6 +123,43 @@ class Engine:
         gc.collect()
         gc.freeze()
         self.is_running = True
+
+    # -- what a driver provides (the Ray driver, aserve/cluster, overrides these) ------------
+    async def _open_devices(self) -> tuple[Any, dict[str, Any]]:
+        """Loads the model on every device, each in its worker thread: (the model's
+        config, the runners by device)."""
+        cfg = self.config
+        runners: dict[str, Any] = {}
+        for dev in dict.fromkeys((*cfg.prefill_devices, *cfg.decode_devices)):
+            runners[dev] = await asyncio.to_thread(
+                self._runner_factory, cfg.model, torch.device(dev), cfg.cache.block_size)
+        return next(iter(runners.values())).model_config, runners
+
+    async def _open_kv(self, geometry: KVGeometry, runners: dict[str, Any],
+                       uses_pool: bool) -> KVSpace:
+        """Every KV store of the engine, with its tensors."""
+        # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
+        return await asyncio.to_thread(KVSpace, self.config, geometry,
+                                       {dev: r.executor for dev, r in runners.items()})
+
+    async def _probe(self, max_len: int) -> list[IterationRecord]:
+        """The start-up probe's timed decode steps on the first decode device."""
+        cfg, ctx = self.config, self._context
+        runner = ctx.runners[cfg.decode_devices[0]]
+        return await runner.call(  # type: ignore[attr-defined, no-any-return]
+            probe, runner, ctx.kv["decode0"].tensor, cfg.cache.num_decode_blocks,
+            cfg.cache.block_size, max_len, cfg.scheduler.max_batch_size)
+
+    def _driver(self) -> Callable[..., Actor]:
+        """What drives each core: `driver(core, device)`."""
+        return partial(Actor, self._context)
+
+    def _close_devices(self) -> None:
+        """Stops the copy threads and the runners' worker threads."""
+        ctx = self._context
+        ctx.kv.copier.shutdown()
+        for runner in ctx.runners.values():
+            runner.shutdown()
 
     def _on_actor_exit(self, task: asyncio.Task[None]) -> None:
         """An actor's loop ended. Outside `stop()` it died: it is recorded for /health, and
@@ -169,10 +197,7 @@ class Engine:
         await asyncio.wait(self._tasks, timeout=30)
         for task in self._tasks:
             task.cancel()
-        ctx = self._context
-        ctx.kv.copier.shutdown()
-        for runner in ctx.runners.values():
-            runner.shutdown()
+        self._close_devices()
         gc.unfreeze()  # what this engine held can be collected again
 
     # -- requests ------------------------------------------------------------------------

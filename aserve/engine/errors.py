@@ -13,3 +13,14 @@ class EngineOverloaded(EngineError):
 
 class TransportClosed(EngineError):
     """A KV transfer could not be carried out because its store is gone."""
+
+
+class NodeLost(EngineError):
+    """A node of a cluster (aserve/cluster) stopped answering: the requests whose KV lived
+    only there end with this error; a client may retry them (HTTP 503)."""
+
+
+def is_retryable(error: str | None) -> bool:
+    """Whether a request's error (`RequestOutput.error`) is one a client may retry: its
+    node was lost, not its input or the model."""
+    return error is not None and error.startswith(f"{NodeLost.__name__}:")

@@ -72,6 +72,9 @@ ENGINE_HELP: dict[str, str] = {  # every engine config field's option help (defa
     "trace_limit": "lifecycle events and iteration records kept, each (the older half is "
                    "dropped past it); none keeps the full log",
     "num_threads": "torch CPU threads for the process; none: torch's default",
+    "ray_address": "run the instances on the nodes of this Ray cluster ('auto' or the head's "
+                   "HOST:PORT; needs the cluster extra, docs/cluster.md); none: in this "
+                   "process",
 }
 ENGINE_ALIASES = {  # vLLM's option name, shown first, for the fields that have one
     "max_position_embeddings": "--max-model-len",

@@ -90,9 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _generate(config: object, prompt: str, params: SamplingParams) -> int:
-    from aserve.engine.engine import Engine
+    from aserve.cluster import engine_for
 
-    async with Engine(config) as engine:  # type: ignore[arg-type]
+    async with engine_for(config) as engine:  # type: ignore[arg-type]
         printed = 0
         async for out in engine.generate(prompt, params):
             sys.stdout.write(out.text[printed:])

@@ -104,6 +104,12 @@ class ServerMetrics:
                              registry=r)
         self.kv_total = Gauge("aserve_kv_blocks_total", "KV blocks in all", ["location"],
                               registry=r)
+        # on a Ray cluster (aserve/cluster): each instance's node, and its stores' KV
+        self.node_online = Gauge("aserve_node_online", "1 while the node of an instance "
+                                 "answers, else 0", ["instance"], registry=r)
+        self.node_kv_used = Gauge("aserve_node_kv_blocks_used", "KV blocks in use in the "
+                                  "stores an instance's node holds", ["instance", "store"],
+                                  registry=r)
         self.finished = Counter("aserve_requests_finished", "Finished requests by reason",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("aserve_prompt_tokens", "Prompt tokens of finished "
@@ -173,6 +179,11 @@ class ServerMetrics:
         for location, (used, total) in kv.items():
             self.kv_used.labels(location).set(used)
             self.kv_total.labels(location).set(total)
+        nodes: Mapping[str, Mapping[str, object]] = stats.get("nodes", {})  # type: ignore[assignment]
+        for instance, node in nodes.items():
+            self.node_online.labels(instance).set(int(bool(node["online"])))
+            for store, used in node["kv_used"].items():  # type: ignore[attr-defined]
+                self.node_kv_used.labels(instance, store).set(used)
         for record in iterations[max(0, self.num_iterations_seen - num_dropped):]:
             self.forward.observe(record.forward_time)
             self.schedule.observe(record.schedule_time)

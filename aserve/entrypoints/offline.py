@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from aserve.cluster import engine_for
 from aserve.engine.config import EngineConfig
 from aserve.engine.engine import Engine
 from aserve.engine.sequence import RequestOutput, SamplingParams
@@ -27,7 +28,7 @@ class LLM:
     def __init__(self, model: str = "opt-125m", **kwargs: object) -> None:
         self.config = EngineConfig.create(model=model, **kwargs)
         self._loop = _new_loop()
-        self._engine = Engine(self.config)
+        self._engine = engine_for(self.config)
         try:
             self._loop.run_until_complete(self._engine.start())
         except BaseException:
@@ -90,7 +91,7 @@ async def _complete_all(engine: Engine, prompts: list[str | list[int]],
 
 async def _generate_all(prompts: list[str | list[int]], params: list[SamplingParams],
                         config: EngineConfig | None) -> list[RequestOutput]:
-    async with Engine(config) as engine:
+    async with engine_for(config or EngineConfig()) as engine:
         return await _complete_all(engine, prompts, params)
 
 

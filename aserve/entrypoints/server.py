@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from aserve.cluster import engine_for
 from aserve.engine.config import EngineConfig, ServerConfig
 from aserve.engine.engine import Engine
-from aserve.engine.errors import EngineError, EngineOverloaded
+from aserve.engine.errors import EngineError, EngineOverloaded, is_retryable
 from aserve.entrypoints import guard
 from aserve.entrypoints.batch_run import BatchRun, admit, best_samples, choice_builders
 from aserve.entrypoints.chat import (
@@ -79,7 +80,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig,
                           middlewares=[_error_middleware, guard.slot_middleware,
                                        guard.host_middleware, _auth_middleware,
                                        guard.body_middleware])
-    app[ENGINE] = engine if engine is not None else Engine(engine_config)
+    app[ENGINE] = engine if engine is not None else engine_for(engine_config)
     app[SERVER_CONFIG] = server_config
     model = app[ENGINE].config.model.model
     app[MODEL_NAMES] = tuple(dict.fromkeys((server_config.served_model_name or model, model)))
@@ -272,6 +273,9 @@ async def _collect(req: CompletionRequest, run: BatchRun, cmpl_id: str,
         return _error_response(503, "the server shut down before the completion finished; "
                                "retry", code="shutting_down")
     failed = [(i, out.error) for i, out in enumerate(outs) if out.finish_reason == "error"]
+    if failed and all(is_retryable(error) for _, error in failed):  # a lost node: retry
+        return _error_response(503, f"prompt {failed[0][0]}: {failed[0][1]}; retry",
+                               code="node_lost")
     if failed:
         return _error_response(500, f"the engine failed on prompt {failed[0][0]}: "
                                f"{failed[0][1]}", code="engine_error")

@@ -37,17 +37,12 @@ class CostRunner:
         return make
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:
-        """Decode items (one new token after a cached prefix) cost as decode, the others as
-        prefill chunks; the step waits for the device like the simulator's."""
-        decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
-        chunks = [(i.start, len(i.token_ids)) for i in items
-                  if not (i.start > 0 and len(i.token_ids) == 1)]
-        duration = self.duration(decode, chunks)
+        """The step waits for the device like the simulator's (see `cost_step`)."""
+        result = cost_step(self.duration, items)
         loop = asyncio.get_running_loop()
-        end = self.device.run(loop.time(), duration)[1]
+        end = self.device.run(loop.time(), result.forward_time)[1]
         await asyncio.sleep(end - loop.time())
-        return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
-                          duration)
+        return result
 
     def duration(self, decode: list[int], chunks: list[tuple[int, int]]) -> float:
         """Seconds of a step over ``decode`` lengths and prefill ``chunks``."""
@@ -55,3 +50,15 @@ class CostRunner:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def cost_step(duration: Callable[[list[int], list[tuple[int, int]]], float],
+              items: list[WorkItem]) -> StepResult:
+    """A step's outputs: decode items (one new token after a cached prefix) cost as decode,
+    the others as prefill chunks, for ``duration(decode, chunks)`` seconds (a cost model's
+    `iteration_time`); token 0 for each sampled item."""
+    decode = [i.start + 1 for i in items if i.start > 0 and len(i.token_ids) == 1]
+    chunks = [(i.start, len(i.token_ids)) for i in items
+              if not (i.start > 0 and len(i.token_ids) == 1)]
+    return StepResult([0 if i.do_sample else None for i in items], [None] * len(items),
+                      duration(decode, chunks))

@@ -89,19 +89,24 @@ def engine_config(policy: str, starvation_threshold: float | None = 0.3,
 
 async def run_engine(config: EngineConfig, cost: CostModel, sim_ctx: SimContext,
                      load: Workload | None = None, aborts: dict[str, float] = ABORTS,
-                     deadline: float = math.inf) -> Engine:
-    """`load` (by default the workload above) through the engine driver; KV copies take the
-    simulator's link time. Stops at virtual time ``deadline`` even with requests live."""
-    engine = Engine(config, CostRunner.factory(cost, sim_ctx.devices))
+                     deadline: float = math.inf, engine: Engine | None = None) -> Engine:
+    """`load` (by default the workload above) through the engine driver (or `engine`, a
+    driver of its own); KV copies take the simulator's link time, after the driver's own
+    `transfer` where it has one (the Ray driver's copies between nodes). Stops at virtual
+    time ``deadline`` even with requests live."""
+    engine = engine or Engine(config, CostRunner.factory(cost, sim_ctx.devices))
     await engine.start()
     loop = asyncio.get_running_loop()
     kv = engine.ctx.kv  # type: ignore[union-attr]
     hand_over = kv.copy  # the engine's own: a hand-over between stores of one tensor
+    carry = getattr(kv, "transfer", None)
 
     async def copy(move, clock) -> None:  # type: ignore[no-untyped-def]
         if move.handover:
             return await hand_over(move, clock)
         start = clock()
+        if carry is not None:
+            await carry(move)
         landed = sim_ctx.transfer(move, start)
         await asyncio.sleep(landed - start)
         kv.commit(move, start, landed)
