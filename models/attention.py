@@ -235,9 +235,9 @@ class PagedBackend(AttentionBackend):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, layer: int,
                meta: AttentionMetadata, scale: float) -> Tensor:
         """A decode batch runs the fused kernel, which also writes the K/V (no separate
-        pass over the cache); anything else (grouped queries too), or no kernel, takes the
-        default path."""
-        if meta.is_decode and q.shape[1] == kv_cache.shape[4]:
+        pass over the cache) and reads each KV head once for its grouped queries; anything
+        else, or no kernel, takes the default path."""
+        if meta.is_decode:
             index = _index(meta, kv_cache, None)
             out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
                                        index.max_seq_len, scale, new_kv=(k, v))

@@ -18,7 +18,7 @@ from torch import Tensor
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 ALL_TOKENS = -1  # SamplingTensors.num_ranked: rank the whole vocab
 TOP_P_PREFILTER = 256  # tokens ranked first for rows with top-p but no top-k
-CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF and argmax
 LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this, so that / temperature stays finite
 _MASK64 = (1 << 64) - 1
 
@@ -40,6 +40,7 @@ class SamplingTensors:
     num_ranked: int = ALL_TOKENS  # top tokens per row the filter ranks; 0 = no filter
     is_top_p_unbounded: bool = True  # a row uses top-p without top-k: may rank the vocab
     penalties: Penalties | None = None  # logit bias and penalties of the rows that use them
+    logprob_rows: tuple[int, ...] | None = None  # rows that want their logprob; None: all
 
     def __post_init__(self) -> None:
         num_seqs = self.temperatures.shape[0]
@@ -61,6 +62,7 @@ class SamplingTensors:
         step_offsets: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
         penalties: Penalties | None = None,
+        logprobs: Sequence[bool] | None = None,
     ) -> SamplingTensors:
         """Validates per-row settings and builds the tensors on `device`.
 
@@ -68,14 +70,15 @@ class SamplingTensors:
         else from a generator seeded with `seeds[i]` -- mixed with `step_offsets[i]` (the
         request's output tokens so far) when given, so a stateless runner still gets a
         fresh, reproducible draw per token -- else from the global RNG. Greedy rows never
-        draw, so they carry no generator.
+        draw, so they carry no generator. `logprobs[i]` says whether row i wants the chosen
+        token's logprob (None: every row does).
 
         Raises:
             ValueError: a list length differs or a value is out of range.
         """
         num_seqs = len(temperatures)
         _check_lengths(num_seqs, top_ps=top_ps, top_ks=top_ks, seeds=seeds,
-                       step_offsets=step_offsets, generators=generators)
+                       step_offsets=step_offsets, generators=generators, logprobs=logprobs)
         _check_values(temperatures, top_ps, top_ks, step_offsets)
         is_greedy = [t < SAMPLING_EPS for t in temperatures]
         row_generators = [
@@ -97,6 +100,8 @@ class SamplingTensors:
             num_ranked=num_ranked,
             is_top_p_unbounded=is_unbounded,
             penalties=penalties,
+            logprob_rows=None if logprobs is None else tuple(
+                i for i, wants in enumerate(logprobs) if wants),
         )
 
 
@@ -355,10 +360,11 @@ def _row_index(ids: Sequence[Sequence[int]], shape: tuple[int, int],
 
 
 class SampleResult(NamedTuple):
-    """Chosen tokens and their log-probabilities, one per row."""
+    """Chosen tokens and their log-probabilities."""
 
     token_ids: Tensor  # [num_seqs] long
-    logprobs: Tensor  # [num_seqs] float32, log_softmax of the raw logits at token_ids
+    logprobs: Tensor  # [num_logprob_rows] float32, log_softmax of the raw logits at the
+    # chosen tokens of `SamplingTensors.logprob_rows` (of every row when that is None)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -384,16 +390,45 @@ def sample(logits: Tensor, st: SamplingTensors) -> SampleResult:
     """
     raw = logits.float()  # [num_seqs, vocab_size]
     logits = raw if st.penalties is None else st.penalties.apply(raw)  # [num_seqs, vocab_size]
-    greedy_ids = logits.argmax(dim=-1)  # [num_seqs]
+    greedy_ids = argmax(logits)  # [num_seqs]
     if st.is_all_greedy:
         token_ids = greedy_ids
     else:
         probs = _filtered_probs(logits, st)  # [num_seqs, vocab_size]
         sampled_ids = _inverse_cdf(probs, st.generators)  # [num_seqs]
         token_ids = torch.where(st.temperatures < SAMPLING_EPS, greedy_ids, sampled_ids)
-    logprobs = torch.log_softmax(raw, dim=-1)  # [num_seqs, vocab_size]
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
-    return SampleResult(token_ids, chosen)
+    return SampleResult(token_ids, _chosen_logprobs(raw, token_ids, st.logprob_rows))
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """`logits.argmax(dim=-1)` of a `[num_seqs, vocab_size]` tensor, ties and NaN alike.
+
+    NOTE: torch's CPU argmax over a row is a scalar loop, several times slower than its
+    vectorised max: take the max of each block of CDF_BLOCK tokens, the first block holding
+    the row's max, then the first token in that block that holds it.
+    """
+    num_seqs, vocab_size = logits.shape
+    num_full = vocab_size // CDF_BLOCK
+    block_max = logits[:, :num_full * CDF_BLOCK].unflatten(1, (num_full, CDF_BLOCK)).amax(-1)
+    if vocab_size % CDF_BLOCK:
+        tail = logits[:, num_full * CDF_BLOCK:].amax(dim=-1, keepdim=True)  # [num_seqs, 1]
+        block_max = torch.cat([block_max, tail], dim=1)  # [num_seqs, num_blocks]
+    block_ids = block_max.argmax(dim=-1)  # [num_seqs]
+    offsets = torch.arange(CDF_BLOCK, device=logits.device)  # [CDF_BLOCK]
+    token_ids = block_ids.unsqueeze(1) * CDF_BLOCK + offsets  # [num_seqs, CDF_BLOCK]
+    inner = logits.gather(1, token_ids.clamp(max=vocab_size - 1))  # [num_seqs, CDF_BLOCK]
+    inner = inner.masked_fill(token_ids >= vocab_size, -math.inf)
+    return block_ids * CDF_BLOCK + inner.argmax(dim=-1)
+
+
+def _chosen_logprobs(raw: Tensor, token_ids: Tensor, rows: tuple[int, ...] | None) -> Tensor:
+    """log_softmax of `raw` ([num_seqs, vocab_size]) at `token_ids`, in the rows asked for
+    (every row when `rows` is None); the others cost nothing."""
+    if rows is not None and len(rows) < len(raw):
+        index = torch.tensor(rows, dtype=torch.long, device=raw.device)  # [num_rows]
+        raw, token_ids = raw.index_select(0, index), token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [num_rows, vocab_size]
+    return logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_rows]
 
 
 def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:

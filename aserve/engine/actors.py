@@ -244,4 +244,5 @@ def work_item(seq: SeqState, block_table: list[int], num_new_tokens: int) -> Wor
         ) if params.has_penalties else None,
         prompt_logprobs=PromptLogprobs(seq.token_ids, seq.num_prompt_tokens,
                                        seq.prompt_logprobs) if params.prompt_logprobs else None,
+        logprobs=params.logprobs,
     )

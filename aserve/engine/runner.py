@@ -44,6 +44,7 @@ class WorkItem:
     step: int  # output tokens so far; seeded draws depend on (seed, step) only
     penalties: PenaltySettings | None = None  # logit bias and penalties; None = neutral
     prompt_logprobs: PromptLogprobs | None = None  # where to write prompt logprobs, if asked
+    logprobs: bool = False  # return the sampled token's logprob (costs a pass over the vocab)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +144,14 @@ class ModelRunner:
                 [c.temperature for c in chosen], [c.top_p for c in chosen],
                 [c.top_k for c in chosen], [c.seed for c in chosen], self.device,
                 step_offsets=[c.step for c in chosen], penalties=self._penalties(chosen),
+                logprobs=[c.logprobs for c in chosen],
             )
             result = sample(logits, st)
-            for row, tok, lp in zip(sample_rows, result.token_ids.tolist(),
-                                    result.logprobs.tolist()):
-                token_ids[row], logprobs[row] = tok, lp
+            for row, tok in zip(sample_rows, result.token_ids.tolist()):
+                token_ids[row] = tok
+            assert st.logprob_rows is not None, "the runner names the rows that want logprobs"
+            for j, lp in zip(st.logprob_rows, result.logprobs.tolist()):
+                logprobs[sample_rows[j]] = lp
         return StepResult(token_ids, logprobs, time.perf_counter() - start_time)
 
     def _prompt_logprobs(self, items: list[WorkItem], hidden: torch.Tensor,

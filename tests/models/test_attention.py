@@ -11,8 +11,9 @@ from models import cpu_attention
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend, write_kv
 from tests.models.conftest import dense_reference, make_block_tables, make_kv_cache, rel_err
 
-NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 4, 16
+NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 4, 32  # HEAD_DIM: both kernel widths run
 SCALE = HEAD_DIM ** -0.5
+LANES = [cpu_attention.LANES, cpu_attention.WIDE_LANES]  # both builds run on any x86 CPU
 
 
 def decode_batch(lens: list[int], dtype: torch.dtype, block_size: int, seed: int = 0
@@ -114,14 +115,15 @@ def test_paged_decode_rejects_non_contiguous_cache() -> None:
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_seqs", [3, 40])  # one head per work item; whole sequences
+@pytest.mark.parametrize("lanes", LANES)
 def test_cpu_kernel_matches_reference(dtype: torch.dtype, tolerance: float,
-                                      num_seqs: int) -> None:
+                                      num_seqs: int, lanes: int) -> None:
     lens = [random.Random(num_seqs).randint(1, 700) for _ in range(num_seqs)] + [1, 16, 17]
     q, kv_cache, meta = decode_batch(lens, dtype, 16, seed=num_seqs)
     if not cpu_attention.is_supported(kv_cache):
         pytest.skip("no C compiler for the CPU kernel")
     kernel = cpu_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
-                                  SCALE)
+                                  SCALE, lanes=lanes)
     assert kernel is not None and kernel.dtype == dtype
     assert rel_err(kernel, dense_reference(q, kv_cache, 1, meta, SCALE)) < tolerance
 
@@ -141,26 +143,29 @@ def test_paged_reference_path_without_the_kernel(dtype: torch.dtype,
     (torch.float32, torch.bfloat16, 2e-2)])  # the last: float32 activations, bf16 cache
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize("num_seqs", [3, 40])  # one head per work item; whole sequences
+@pytest.mark.parametrize(("kv_heads", "lanes"), [(NUM_HEADS, LANES[0]), (NUM_HEADS, LANES[1]),
+                                                 (2, LANES[0]), (1, LANES[1])])
 def test_cpu_kernel_writes_this_steps_kv_like_write_kv(
         q_dtype: torch.dtype, cache_dtype: torch.dtype, tolerance: float, block_size: int,
-        num_seqs: int) -> None:
+        num_seqs: int, kv_heads: int, lanes: int) -> None:
+    """Also with grouped queries (NUM_HEADS query heads over kv_heads KV heads)."""
     rng = random.Random(block_size * 100 + num_seqs)
     # NOTE: lengths on and just past block boundaries: the new token opens a block
     lens = [rng.randint(1, 300) for _ in range(num_seqs)] + [1, block_size, block_size + 1]
     tables, num_blocks = make_block_tables(lens, block_size, seed=num_seqs)
-    kv_cache = make_kv_cache(num_blocks, NUM_LAYERS, NUM_HEADS, HEAD_DIM, cache_dtype,
+    kv_cache = make_kv_cache(num_blocks, NUM_LAYERS, kv_heads, HEAD_DIM, cache_dtype,
                              block_size)
     if not cpu_attention.is_supported(kv_cache):
         pytest.skip("no C compiler for the CPU kernel")
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size, "cpu")
     # q, k, v as the model makes them: strided views of one fused projection
-    qkv = torch.randn(len(lens), 3, NUM_HEADS, HEAD_DIM,
+    qkv = torch.randn(len(lens), NUM_HEADS + 2 * kv_heads, HEAD_DIM,
                       generator=torch.Generator().manual_seed(7)).to(q_dtype)
-    q, k, v = qkv.unbind(1)
+    q, k, v = qkv.split([NUM_HEADS, kv_heads, kv_heads], dim=1)
     want_cache = kv_cache.clone()
     write_kv(want_cache, 1, k, v, meta.slot_mapping)
     out = cpu_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
-                               SCALE, new_kv=(k, v))
+                               SCALE, new_kv=(k, v), lanes=lanes)
     assert out is not None and out.dtype == q_dtype
     assert torch.equal(kv_cache, want_cache)  # the same slots, rounded the same, nothing else
     assert rel_err(out, dense_reference(q, want_cache, 1, meta, SCALE)) < tolerance

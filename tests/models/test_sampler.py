@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from models.sampler import SamplingTensors, make_generator, sample
+from models.sampler import SamplingTensors, argmax, make_generator, sample
 
 CPU = torch.device("cpu")
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -170,6 +172,48 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
         1, result.token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
     assert result.logprobs.dtype == torch.float32
     torch.testing.assert_close(result.logprobs, expected)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logprobs_only_in_the_rows_that_ask(greedy: bool) -> None:
+    torch.manual_seed(12)
+    logits = torch.randn(6, 300, dtype=torch.bfloat16)  # [num_seqs, vocab_size]
+    wants = [False, True, False, False, True, False]
+    st = SamplingTensors.from_lists([0.0 if greedy else 0.7] * 6, [1.0] * 6, [-1] * 6,
+                                    [3] * 6, CPU, logprobs=wants)
+    result = sample(logits, st)
+    every = sample(logits, SamplingTensors.from_lists([0.0 if greedy else 0.7] * 6, [1.0] * 6,
+                                                      [-1] * 6, [3] * 6, CPU))
+    assert st.logprob_rows == (1, 4)
+    assert torch.equal(result.token_ids, every.token_ids)
+    assert torch.equal(result.logprobs, every.logprobs[[1, 4]])
+    none = SamplingTensors.from_lists([0.0] * 6, [1.0] * 6, [-1] * 6, [None] * 6, CPU,
+                                      logprobs=[False] * 6)
+    assert sample(logits, none).logprobs.shape == (0,)
+
+
+def test_greedy_bf16_logits_choose_as_their_float32_widening() -> None:
+    torch.manual_seed(13)
+    logits = torch.randn(16, 1000).to(torch.bfloat16)  # [num_seqs, vocab_size]
+    logits[3, 10] = logits[3, 900] = logits[3].max() + 1  # a tie: the lowest id wins
+    result = sample(logits, _settings(16, temperature=0.0))
+    assert result.token_ids.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert result.token_ids[3].item() == 10
+
+
+@pytest.mark.parametrize("vocab_size", [7, 256, 300, 50272])
+def test_argmax_matches_torch_with_ties_nan_and_infinities(vocab_size: int) -> None:
+    torch.manual_seed(vocab_size)
+    logits = torch.randn(8, vocab_size)  # [num_seqs, vocab_size]
+    logits[1, :] = -math.inf
+    logits[2, -1] = logits[2, 0] = 50.0  # a tie between the first block and the tail
+    logits[3, vocab_size // 2] = math.nan
+    logits[4, :] = 1.0
+    logits[5, -1] = math.inf
+    logits[6, vocab_size // 3] = logits[6, vocab_size - 1 - vocab_size // 3] = 9.0
+    assert argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax(logits.to(torch.bfloat16)).tolist() == logits.to(
+        torch.bfloat16).argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize(("field", "lists"), [
