@@ -27,6 +27,9 @@ class BlockPool:
         # NOTE: an ascending list is already a valid min-heap; block 0 is PAD_BLOCK_ID.
         self.free_ids: list[int] = list(range(PAD_BLOCK_ID + 1, num_blocks + 1))
         self.members: list[BlockAllocator] = []
+        # the highest id ever handed out: ids are taken lowest first, so the blocks of a
+        # lazily allocated tensor that were ever written are 1..high_water
+        self.high_water = PAD_BLOCK_ID
 
     def check_integrity(self) -> None:
         """Raises RuntimeError unless every id of 1..num_blocks is either free or in exactly
@@ -286,7 +289,10 @@ class BlockAllocator:
         if num_blocks > self.num_free:
             return None
         self._num_used += num_blocks
-        return [heapq.heappop(self._free_ids) for _ in range(num_blocks)]
+        block_ids = [heapq.heappop(self._free_ids) for _ in range(num_blocks)]
+        if block_ids:
+            self.pool.high_water = max(self.pool.high_water, block_ids[-1])
+        return block_ids
 
 
 def allocators_for(stores: Mapping[str, tuple[str, int]], block_size: int,

@@ -163,6 +163,13 @@ class BlockLedger:
             out[kind] = (used + allocator.num_used, total + allocator.num_blocks)
         return out
 
+    def blocks_touched(self) -> int:
+        """Blocks ever handed out, over every KV tensor (each tensor's high-water mark):
+        on a CPU, the KV memory that is resident, since tensors fault in as blocks are
+        first written."""
+        pools = {id(a.pool): a.pool for a in self.allocators.values()}
+        return sum(pool.high_water for pool in pools.values())
+
     def blocks_used(self) -> dict[str, int]:
         return {loc: used for loc, (used, _) in self.usage().items()}
 

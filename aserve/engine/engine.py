@@ -59,6 +59,7 @@ class Engine:
         self.ctx: EngineContext | None = None
         self.tokenizer: Tokenizer
         self.is_running = False
+        self._bytes_per_block = 0  # of the KV geometry, once started
         # the start-up probe's timed decode steps (aserve/engine/step_probe.py `probe`): instance
         # "probe", written first in the benchmark's iteration logs
         self.probe_iterations: list[IterationRecord] = []
@@ -95,6 +96,7 @@ class Engine:
         policy = get_policy(sched.policy, PolicyConfig.of(
             sched, tree_range(model_config.max_position_embeddings)))
         kv = await self._open_kv(geometry, runners, policy.uses_pool)
+        self._bytes_per_block = geometry.bytes_per_block
         self.ctx = EngineContext(cfg, kv, runners, policy,  # type: ignore[arg-type]
                                  Lifecycle(kv, model_config.eos_token_id,
                                            trace_limit=cfg.trace_limit),
@@ -380,7 +382,8 @@ class Engine:
         ctx = self._context
         return {"running": sum(1 for s in self._live.values()
                                if s.status >= SeqStatus.PREFILLING and not s.is_finished),
-                "waiting": self.num_waiting, "live": len(self._live), "kv": ctx.kv.usage()}
+                "waiting": self.num_waiting, "live": len(self._live), "kv": ctx.kv.usage(),
+                "kv_touched_bytes": ctx.kv.blocks_touched() * self._bytes_per_block}
 
     @property
     def events(self) -> list:  # type: ignore[type-arg]

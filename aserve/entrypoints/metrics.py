@@ -104,6 +104,9 @@ class ServerMetrics:
                              registry=r)
         self.kv_total = Gauge("aserve_kv_blocks_total", "KV blocks in all", ["location"],
                               registry=r)
+        self.kv_touched = Gauge("aserve_kv_touched_bytes", "Bytes of KV memory written at "
+                                "least once (a CPU KV tensor becomes resident as its blocks "
+                                "are first used, lowest ids first)", registry=r)
         # on a Ray cluster (aserve/cluster): each instance's node, and its stores' KV
         self.node_online = Gauge("aserve_node_online", "1 while the node of an instance "
                                  "answers, else 0", ["instance"], registry=r)
@@ -179,6 +182,7 @@ class ServerMetrics:
         for location, (used, total) in kv.items():
             self.kv_used.labels(location).set(used)
             self.kv_total.labels(location).set(total)
+        self.kv_touched.set(int(stats.get("kv_touched_bytes", 0)))  # type: ignore[call-overload]
         nodes: Mapping[str, Mapping[str, object]] = stats.get("nodes", {})  # type: ignore[assignment]
         for instance, node in nodes.items():
             self.node_online.labels(instance).set(int(bool(node["online"])))

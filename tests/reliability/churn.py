@@ -84,6 +84,8 @@ class ChurnResult:
     log: str = ""
     rss_warm: int = 0  # bytes, once warmed up
     rss_end: int = 0
+    kv_touched_warm: float = 0.0  # bytes of KV memory ever written (aserve_kv_touched_bytes)
+    kv_touched_end: float = 0.0
     loop_lag: dict[float, float] = field(default_factory=dict)  # bucket bound -> count
     kv_used_end: dict[str, float] = field(default_factory=dict)
     refusals: dict[str, float] = field(default_factory=dict)  # 429s by cause, from /metrics
@@ -99,6 +101,14 @@ class ChurnResult:
         """The watchdog's WARNINGs: event-loop iterations over its threshold."""
         return [line for line in self.log.splitlines() if "the event loop was held" in line]
 
+    @property
+    def rss_growth(self) -> float:
+        """Resident memory's growth over the run, less the KV blocks first written during it
+        (KV tensors are allocated untouched and bounded by their capacity; what they fault in
+        is KV, not a leak)."""
+        kv_new = self.kv_touched_end - self.kv_touched_warm
+        return (self.rss_end - kv_new) / self.rss_warm - 1
+
     def lag_share_within(self, bound: float) -> float:
         """The share of heartbeats whose lag was at most `bound` seconds (a bucket bound)."""
         total = self.loop_lag.get(float("inf"), 0.0)
@@ -109,7 +119,9 @@ class ChurnResult:
         return (f"{sum(self.statuses.values())} answers {dict(self.statuses)}, finishes "
                 f"{dict(self.finishes)}, {self.hung_up} hung up; /health {len(self.health)} "
                 f"probes, slowest {slowest * 1000:.0f} ms; RSS {self.rss_warm / 2**20:.0f} -> "
-                f"{self.rss_end / 2**20:.0f} MiB ({self.rss_end / self.rss_warm - 1:+.1%}); "
+                f"{self.rss_end / 2**20:.0f} MiB ({self.rss_end / self.rss_warm - 1:+.1%}; KV "
+                f"first written {(self.kv_touched_end - self.kv_touched_warm) / 2**20:.0f} MiB, "
+                f"growth besides {self.rss_growth:+.1%}); "
                 f"loop lag <= 50 ms: {self.lag_share_within(0.05):.2%} of "
                 f"{self.loop_lag.get(float('inf'), 0):.0f} beats, "
                 f"{len(self.stall_lines)} held over 250 ms; KV used at the end "
@@ -268,6 +280,7 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         await _settle(session, server.url)
         result.rss_warm = server.rss()
         m = await scrape(session, server.url)
+        result.kv_touched_warm = m["aserve_kv_touched_bytes"]
         warm_refusals = {cause: m[f"aserve_{cause}_refusals_total"]
                          for cause in ("overload", "client_budget")}
         stop = asyncio.Event()
@@ -285,6 +298,7 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
         await prober
         result.rss_end = server.rss()
         m = await scrape(session, server.url)
+        result.kv_touched_end = m["aserve_kv_touched_bytes"]
         for name, value in m.items():
             if name.startswith("aserve_event_loop_lag_seconds_bucket"):
                 result.loop_lag[float(name.split('"')[1])] = value

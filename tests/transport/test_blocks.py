@@ -24,6 +24,21 @@ def test_allocate_covers_the_tokens_with_lowest_free_ids() -> None:
     allocator.check_integrity()
 
 
+def test_the_high_water_mark_is_the_highest_id_ever_handed_out() -> None:
+    # the blocks of a lazily allocated KV tensor that were ever written: its resident part
+    allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    assert allocator.pool.high_water == PAD_BLOCK_ID
+    allocator.allocate("a", 3 * BLOCK_SIZE)
+    allocator.allocate("b", BLOCK_SIZE)
+    assert allocator.pool.high_water == 4
+    allocator.free("a"), allocator.free("b")
+    assert allocator.pool.high_water == 4  # freeing does not give pages back
+    allocator.allocate("c", 2 * BLOCK_SIZE)  # the lowest ids again: no new page
+    assert allocator.pool.high_water == 4
+    allocator.grow("c", 6 * BLOCK_SIZE)
+    assert allocator.pool.high_water == 6
+
+
 def test_out_of_room_returns_none_and_changes_nothing() -> None:
     allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
     allocator.allocate("a", (NUM_BLOCKS - 1) * BLOCK_SIZE)
