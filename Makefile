@@ -42,8 +42,11 @@ serve: $(VENV)/.installed-serve
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
 		$(BIN)/aserve serve --model $(MODEL)
 
+# NOTE: two worker processes, one test file each at a time (module fixtures load a model
+# once per file): most of the suite waits on servers, subprocesses and sockets
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -x --durations=10 -m "not bench and not soak and not gpu" tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
+		-m "not bench and not soak and not gpu" tests
 
 test-all: $(VENV)/.installed-bench
 	$(BIN)/python -m pytest -q tests
