@@ -245,6 +245,14 @@ class PagedBackend(AttentionBackend):
                 return out
         return super().attend(q, k, v, kv_cache, layer, meta, scale)
 
+    def _grouped_decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
+                        scale: float) -> Tensor:
+        """The fused kernel reads each KV head once for its grouped queries (a mixed step's
+        decode rows too); the reference path takes the expanded rows."""
+        out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
+                                   index.max_seq_len, scale)
+        return super()._grouped_decode(q, kv_cache, layer, index, scale) if out is None else out
+
     def _decode(self, q: Tensor, kv_cache: Tensor, layer: int, index: DecodeIndex,
                 scale: float) -> Tensor:
         out = cpu_attention.decode(q, kv_cache, layer, index.block_tables, index.seq_lens,
