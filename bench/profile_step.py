@@ -1,12 +1,13 @@
 """Where one engine step's time goes: `torch.profiler` over `ModelRunner.execute_sync` for a
-decode step and a prefill at several batch sizes, split into linear layers, LM head,
+decode step, a prefill and a mixed step at several batch sizes, split into linear layers, LM head,
 attention, sampler, metadata and the rest (embeddings, LayerNorms, residual adds, Python).
 
     python -m bench.profile_step --model opt-125m --dtype bfloat16 --context 128
 
 Labels come from record_function ranges this script wraps around the pieces (module hooks on
-the linear layers and the attention modules, wrappers around the runner's metadata build,
-LM head and sampler); the engine itself carries no profiling code. Prints a Markdown table.
+the linear layers, wrappers around the attention backend's call, the runner's metadata
+build, LM head and sampler); the engine itself carries no profiling code. Prints a Markdown
+table.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import aserve.engine.runner as runner_module
 from aserve.engine.config import ModelConfig
 from aserve.engine.runner import ModelRunner, PenaltySettings, WorkItem
 from models import cpu_isa
-from models.opt import Float32Linear, OPTAttention
+from models.loader import resolve_dtype
+from models.opt import Float32Linear
 
 BLOCK_SIZE = 16  # tokens per KV block
 PARTS = ("linear", "lm_head", "attention", "sampler", "metadata")  # labelled ranges
@@ -37,21 +39,24 @@ COPY_OPS = ("aten::copy_", "aten::index_copy_", "aten::clone", "aten::cat", "ate
 
 def work(batch: int, context: int, phase: str, vocab: int, penalties: bool = False
          ) -> tuple[list[WorkItem], int]:
-    """`batch` sequences of `context` cached tokens taking one decode token each, or
-    `batch` prompts of `context` tokens; returns the items and the KV blocks they need.
+    """`batch` sequences of `context` cached tokens taking one decode token each (decode),
+    `batch` prompts of `context` tokens (prefill), or the decode batch beside one prompt of
+    `context` tokens (mixed: a continuous-batching step); returns the items and the KV
+    blocks they need.
     With `penalties`, every sequence asks for presence, frequency and repetition penalties
     over its `context` tokens (the last eighth of them its output)."""
     per_seq = -(-(context + 1) // BLOCK_SIZE)
     items = []
-    for i in range(batch):
+    for i in range(batch + (phase == "mixed")):
         table = list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
         seen = [(7 * i + 13 * j * j) % (vocab - 4) + 4 for j in range(context + 1)]
-        ids = seen[:context] if phase == "prefill" else seen[-1:]
-        start = 0 if phase == "prefill" else context
+        prompt = phase == "prefill" or i == batch  # a mixed step's last item is its prompt
+        ids = seen[:context] if prompt else seen[-1:]
+        start = 0 if prompt else context
         settings = (PenaltySettings(0.5, 0.5, 1.1, (), seen, context - context // 8)
                     if penalties else None)
         items.append(WorkItem(ids, start, table, True, 0.0, 1.0, -1, None, 0, settings))
-    return items, 1 + batch * per_seq
+    return items, 1 + len(items) * per_seq
 
 
 def grow(items: list[WorkItem]) -> None:
@@ -85,12 +90,12 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
 
     handles = []
     for module in runner.model.modules():
-        name = ("linear" if isinstance(module, (nn.Linear, Float32Linear)) else
-                "attention" if isinstance(module, OPTAttention) else None)
-        if name is not None:
-            handles.append(module.register_forward_pre_hook(enter(name)))
+        if isinstance(module, (nn.Linear, Float32Linear)):
+            handles.append(module.register_forward_pre_hook(enter("linear")))
             handles.append(module.register_forward_hook(leave))
     saved = (runner._prepare, runner.model.compute_logits, runner_module.sample)
+    # the attention backend's call (KV write included), whatever the model family
+    runner.backend.attend = wrap("attention", runner.backend.attend)  # type: ignore[method-assign]
     runner._prepare = wrap("metadata", runner._prepare)  # type: ignore[method-assign]
     runner.model.compute_logits = wrap("lm_head", runner.model.compute_logits)  # type: ignore
     runner_module.sample = wrap("sampler", runner_module.sample)
@@ -99,6 +104,7 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        del runner.backend.attend  # the class's method again
         runner._prepare, runner.model.compute_logits, runner_module.sample = saved  # type: ignore
 
 
@@ -120,13 +126,15 @@ def split(prof: profile, wall_ms: float) -> dict[str, float]:
 
 
 def profile_step(runner: ModelRunner, batch: int, context: int, phase: str,
-                 repeats: int, penalties: bool = False) -> tuple[float, dict[str, float]]:
-    """Median wall ms of `repeats` steps, and the split of one profiled step."""
+                 repeats: int, penalties: bool = False, dtype: str = "bfloat16"
+                 ) -> tuple[float, dict[str, float]]:
+    """Median wall ms of `repeats` steps over a KV cache of `dtype`, and the split of one
+    profiled step."""
     items, num_blocks = work(batch, context, phase, runner.model_config.vocab_size,
                              penalties)
     cfg = runner.model_config
-    kv = torch.randn(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_heads, cfg.head_dim,
-                     dtype=runner.model.model.decoder.embed_tokens.weight.dtype)
+    kv = torch.randn(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                     dtype=resolve_dtype(dtype))
     runner.execute_sync(items, kv)
     times = []
     for _ in range(repeats):
@@ -150,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="cached tokens per decode sequence, prompt tokens per prefill "
                         "(default 128)")
     p.add_argument("--batches", default="1,16,64", help="batch sizes (default 1,16,64)")
-    p.add_argument("--phases", default="decode,prefill", help="default decode,prefill")
+    p.add_argument("--phases", default="decode,prefill",
+                   help="decode, prefill and/or mixed (the decode batch beside one prompt of "
+                        "--context tokens); default decode,prefill")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row (default 5)")
     p.add_argument("--native-half-matmuls", action="store_true",
                    help="keep torch's bf16/fp16 GEMM even where the runner would compute the "
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             for penalties in (False, True) if args.penalties else (False,):
                 ms, parts = profile_step(runner, batch, args.context, phase, args.repeats,
-                                         penalties)
+                                         penalties, args.dtype)
                 cells = " | ".join(f"{parts.get(k, 0.0):.0f}"
                                    for k in (*PARTS, "other", "copies"))
                 label = f"{phase}+penalties" if penalties else phase
