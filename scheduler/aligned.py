@@ -34,7 +34,7 @@ from scheduler.policy import PolicyConfig, register_policy
 from scheduler.quadtree import QuadNode
 from scheduler.step_time import GrowingStep, growing_step, mixing_pays
 
-NUM_SPLITS = 8  # cut points tried when the whole pool fits (at its length-sorted eighths)
+NUM_SPLITS = 8  # cut points tried in a candidate batch (at its length-sorted eighths)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
 SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
 # NOTE: latency guard. TPOT counts every wait between two tokens, and an evicted seq waits,
@@ -174,7 +174,14 @@ class AlignedPolicy(AlignedStrictPolicy):
 
         Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
         more populated children) by the least ``waste`` per token instead of by the request
-        count alone; below the fork DFS descends by density."""
+        count alone; below the fork DFS descends by density. The chosen one is then split by
+        length as the whole pool is (``_whole_or_split``).
+
+        NOTE: DFS widens a subtree with too few requests by borrowing its siblings' until it
+        holds ``min_requests``, however unlike their lengths: asked for half a device's
+        slots from a pool of short and long prompts, it mixes them, and every step of that
+        batch pads the short ones to the longest. Whether the narrower part pays is the
+        model's call, not the count's: two steps over the parts against one over both."""
         self._begin(max_requests)
         root = self.tree.root
         if root.num_requests == 0:
@@ -182,7 +189,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
             if self.incoming and self.alignment_pays([1, self.config.max_len]):
                 return []  # more is coming: wait for a pool to choose from
-            return self._whole_or_split()
+            return [seq_id for _, seq_id in self._whole_or_split(
+                [(length, seq_id) for length, seq_id, _ in self.tree.root.requests()])]
         if not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
         candidates = [density_first_search(self.tree, max_blocks, min_requests, max_requests)]
@@ -198,7 +206,10 @@ class AlignedPolicy(AlignedStrictPolicy):
             waste = self.waste(self._lengths(ids)) if ids else 0.0
             if ids and (not best or self._less_waste(waste, best_waste)):
                 best, best_waste = ids, waste
-        return best
+        if not best:
+            return best
+        return [seq_id for _, seq_id in self._whole_or_split(
+            list(zip(self._lengths(best), best)))]
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:
@@ -261,24 +272,24 @@ class AlignedPolicy(AlignedStrictPolicy):
             node = viable[0]
         return None
 
-    def _whole_or_split(self) -> list[str]:
-        """The whole pool, or its shorter or longer part where the model predicts that
-        running the two parts apart beats one step over all (padded attention)."""
-        ordered = sorted(self.tree.root.requests(), key=lambda item: (item[0], item[1]))
-        lengths = [length for length, _, _ in ordered]
+    def _whole_or_split(self, batch: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """``batch`` ((length, id) pairs) in length order, or its shorter or longer part
+        (the one that wastes less) where the model predicts that running the two parts
+        apart beats one step over all (padded attention)."""
+        ordered = sorted(batch)
+        lengths = [length for length, _ in ordered]
         n = len(lengths)
         cuts = sorted({n * k // NUM_SPLITS for k in range(1, NUM_SPLITS)} - {0, n})
-        best, best_time = n, self.step_time(lengths)
+        best, best_time = n, self._time(lengths)
         for cut in cuts:
-            time = self.step_time(lengths[:cut]) + self.step_time(lengths[cut:])
+            time = self._time(lengths[:cut]) + self._time(lengths[cut:])
             if time < best_time:
                 best, best_time = cut, time
         if best == n:
-            return [seq_id for _, seq_id, _ in ordered]
+            return ordered
         short, long = ordered[:best], ordered[best:]
-        wastes = [self.waste([length for length, _, _ in part]) for part in (long, short)]
-        part = long if self._less_waste(*wastes) else short
-        return [seq_id for _, seq_id, _ in part]
+        wastes = [self.waste([length for length, _ in part]) for part in (long, short)]
+        return long if self._less_waste(*wastes) else short
 
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:

@@ -14,6 +14,7 @@ from scheduler import (
     Policy,
     PolicyConfig,
     SeqView,
+    StepTime,
     get_policy,
     register_policy,
 )
@@ -150,6 +151,27 @@ def test_aligned_takes_a_pool_that_fits_whole_unless_padding_makes_a_split_faste
         for i in range(2):
             policy.add(SeqView(f"s{i}", 100, SHORT_BLOCKS, arrival_time=1.0))
         assert set(policy.next_batch(max_blocks=400, max_requests=64, now=1.0)) == expected
+
+
+def test_aligned_narrows_a_batch_that_dfs_widens_to_min_requests_where_padding_costs() -> None:
+    """A pool larger than a batch, whose short requests are fewer than ``min_requests``:
+    DFS borrows long ones to make up the count, and every padded step would read the short
+    ones to the longest. `aligned` runs short and long apart, since two steps over the
+    parts are predicted faster than one over both; under a total-work cost it serves the
+    pool oldest first, as fcfs does."""
+    def first_batch(name: str, step_time: StepTime | None = None) -> list[str]:
+        policy = get_policy(name, PolicyConfig(min_requests=12), step_time)
+        for i in range(8):
+            policy.add(SeqView(f"s{i}", 100 + i, SHORT_BLOCKS, arrival_time=float(i)))
+        for i in range(4):  # either class fits alone, not both
+            policy.add(SeqView(f"l{i}", 1000 + i, 63, arrival_time=0.5 + i))
+        return policy.next_batch(max_blocks=300, max_requests=64, now=10.0)
+
+    assert any(seq_id.startswith("l") for seq_id in first_batch("aligned-strict")), \
+        "DFS mixes lengths to reach min_requests"
+    kinds = {seq_id[0] for seq_id in first_batch("aligned", padded_step_time)}
+    assert kinds in ({"s"}, {"l"}), "one length class per batch"
+    assert first_batch("aligned") == first_batch("fcfs")
 
 
 def _mixed_pool(step_time: object) -> tuple[Policy, Policy]:
