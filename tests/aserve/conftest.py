@@ -7,8 +7,9 @@ import asyncio
 import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -72,6 +73,21 @@ class LiveServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def openai_client(engine_config: EngineConfig, engine: Engine | None = None
+                  ) -> Iterator[openai.OpenAI]:
+    """A LiveServer of `engine_config` (or of `engine`) requiring API_KEY, and the official
+    openai client on it, as a user calls it (no retries)."""
+    server = LiveServer(engine_config, ServerConfig(port=0, api_key=API_KEY), engine)
+    server.start()
+    try:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                           timeout=60) as client:
+            yield client
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import pytest
 import torch
 import transformers
 
-from aserve.engine.config import ServerConfig
-from tests.aserve.conftest import API_KEY, LiveServer
+from tests.aserve.conftest import openai_client
 from tests.conftest import make_config
 from tests.hub_checkpoint import write_hub_checkpoint
 
@@ -29,14 +28,8 @@ def hub_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def client(hub_dir: Path) -> Iterator[openai.OpenAI]:
-    server = LiveServer(make_config(str(hub_dir)), ServerConfig(port=0, api_key=API_KEY))
-    server.start()
-    try:
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                           timeout=60) as c:
-            yield c
-    finally:
-        server.stop()
+    with openai_client(make_config(str(hub_dir))) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -17,10 +16,9 @@ import pytest
 
 from aserve.cluster.engine import ClusterEngine, start_workers
 from aserve.engine.config import ServerConfig
-from aserve.engine.engine import Engine
 from aserve.entrypoints.server import ENGINE as ENGINE_KEY
 from scheduler import POLICIES
-from tests.aserve.conftest import API_KEY, MODEL, LiveServer, read_metrics
+from tests.aserve.conftest import API_KEY, MODEL, LiveServer, openai_client, read_metrics
 from tests.cluster.conftest import NEEDS_RAY, LocalCluster, cluster_config, ray
 from tests.conftest import make_config
 
@@ -45,18 +43,6 @@ def workers(local_cluster: LocalCluster) -> Iterator[dict[str, Any]]:
             ray.kill(worker, no_restart=True)
 
 
-@contextmanager
-def served(config: Any, engine: Engine | None = None) -> Iterator[openai.OpenAI]:
-    server = LiveServer(config, ServerConfig(port=0, api_key=API_KEY), engine)
-    server.start()
-    try:
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                           timeout=60) as client:
-            yield client
-    finally:
-        server.stop()
-
-
 def greedy(client: openai.OpenAI) -> tuple[list[list[str]], list[list[str]]]:
     """The greedy tokens of every prompt: whole (one batched request) and streamed (one
     request each), as the logprobs' token strings."""
@@ -77,10 +63,10 @@ def greedy(client: openai.OpenAI) -> tuple[list[list[str]], list[list[str]]]:
 def test_greedy_tokens_equal_the_single_process_engines(local_cluster: LocalCluster,
                                                         workers: dict[str, Any],
                                                         policy: str) -> None:
-    with served(make_config(policy=policy, **ENGINE)) as client:
+    with openai_client(make_config(policy=policy, **ENGINE)) as client:
         want = greedy(client)
     config = cluster_config(local_cluster.address, policy=policy, **ENGINE)
-    with served(config, ClusterEngine(config, workers=workers)) as client:
+    with openai_client(config, ClusterEngine(config, workers=workers)) as client:
         got = greedy(client)
     assert all(len(tokens) == MAX_TOKENS for tokens in want[0])
     assert got == want
