@@ -145,7 +145,8 @@ def run_system(name: str, workload: Workload, prompts: list[list[int]], sizing: 
 
         if name == "vllm":
             return peers.run_vllm(s.model, s.dtype, s.seed, workload, prompts, s.realtime,
-                                  system=name, on_finish=on_finish)
+                                  system=name, on_finish=on_finish,
+                                  kv_cache_bytes=sizing.decode_kv_bytes)
         if name == "llamacpp":
             return peers.run_llamacpp(s.model, workload, prompts, s.realtime, system=name,
                                       on_finish=on_finish)

@@ -80,6 +80,12 @@ class Sizing:
     min_requests: int
     host_pool_gb: float
     pool_ratio: float  # blocks of the whole workload / num_decode_blocks
+    bytes_per_block: int = 0  # KV bytes of one block over all layers, K and V
+
+    @property
+    def decode_kv_bytes(self) -> int:
+        """The decode device's KV memory: what a peer is given, for equal memory."""
+        return self.num_decode_blocks * self.bytes_per_block
 
     def options(self) -> dict[str, object]:
         """The EngineConfig.create keyword arguments these sizes set."""
@@ -116,7 +122,8 @@ def size_engine(workload: Workload, model: Any, dtype: str, batch_requests: int 
     return Sizing(block_size=block_size, num_decode_blocks=num_decode,
                   num_prefill_blocks=num_prefill, num_staging_blocks=2 * num_decode,
                   max_batch_size=2 * batch_requests, min_requests=batch_requests,
-                  host_pool_gb=round(pool_gb, 3), pool_ratio=sum(blocks) / num_decode)
+                  host_pool_gb=round(pool_gb, 3), pool_ratio=sum(blocks) / num_decode,
+                  bytes_per_block=bytes_per_block)
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:

@@ -240,15 +240,17 @@ def run_continuous_batching(model: transformers.OPTForCausalLM, workload: Worklo
 
 VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # `make peers` builds it
 VLLM_DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
-VLLM_KVCACHE_GB = 4  # VLLM_CPU_KVCACHE_SPACE: room for every request of these workloads
+VLLM_KVCACHE_GB = 4  # KV memory when the caller names none: room for every request here
 
 
 def vllm_env(venv: Path, num_threads: int) -> dict[str, str]:
     """vLLM's documented CPU setup: every core computes (none reserved for the front end),
-    OpenMP threads bound to them, its own libiomp5 preloaded, a fixed KV cache size."""
+    OpenMP threads bound to them, its own libiomp5 preloaded. The KV cache size goes in
+    the driver's input (`kv_cache_memory_bytes`), so the legacy variable must not be set."""
     env = dict(os.environ)
     env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{num_threads - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(VLLM_KVCACHE_GB))
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     iomp = venv / "lib" / "libiomp5.so"
     if iomp.is_file():
         env["LD_PRELOAD"] = str(iomp)
@@ -292,10 +294,13 @@ def save_gguf_as_hf(gguf_file: Path, folder: Path) -> Path:
 
 def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
              prompts: Sequence[list[int]], realtime: bool = True, system: str = "vllm",
-             on_finish: OnFinish | None = None, venv: Path = VLLM_VENV) -> RunResult:
+             on_finish: OnFinish | None = None, venv: Path = VLLM_VENV,
+             kv_cache_bytes: int | None = None) -> RunResult:
     """vLLM's CPU build on the same weights and prompt token ids, greedy, EOS ignored, each
     request added at its arrival time (all at once unless `realtime`); run in a subprocess
-    in its own virtualenv, through `LLMEngine.step` as `LLM.generate` runs it.
+    in its own virtualenv, through `LLMEngine.step` as `LLM.generate` runs it. Its KV cache
+    gets `kv_cache_bytes` (the harness passes our decode device's, for equal memory), or
+    `VLLM_KVCACHE_GB` GiB.
 
     Raises:
         RuntimeError: the virtualenv is missing (`make peers`) or the driver failed.
@@ -309,6 +314,7 @@ def run_vllm(model: str, dtype: str, seed: int, workload: Workload,
         spec = {"model": str(folder), "dtype": dtype,
                 "max_model_len": json.loads((folder / "config.json").read_text())[
                     "max_position_embeddings"],
+                "kv_cache_bytes": kv_cache_bytes or VLLM_KVCACHE_GB * 2**30,
                 "requests": _driver_requests(workload, prompts, realtime)}
         in_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         in_path.write_text(json.dumps(spec))

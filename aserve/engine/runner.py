@@ -19,10 +19,10 @@ import torch
 
 from aserve.engine.config import ModelConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
-from models import cpu_isa
+from models import cpu_isa, cpu_kernels
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
-from models.opt import OPTConfig, OPTForCausalLM, fit_matmuls_to
+from models.opt import HalfLinear, OPTConfig, OPTForCausalLM, fit_matmuls_to
 from models.sampler import Penalties, PenaltyCounts, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
@@ -96,12 +96,16 @@ class ModelRunner:
             max_position_embeddings=config.max_position_embeddings,
         )
         self.model.eval()
+        if device.type == "cpu":
+            cpu_kernels.keep_freed_memory()
         # NOTE: prepacked float32 matmuls on CPUs: torch's bf16/fp16 GEMM without AVX-512
         # BF16 or AMX runs several times slower than float32 (docs/results.md).
         packed = fit_matmuls_to(self.model, device)
         if device.type == "cpu":
+            prepacked = any(isinstance(m, HalfLinear) for m in self.model.modules())
             logger.info("CPU: %s; %s model: linear layers in %s", cpu_isa.describe(),
-                        config.dtype, "prepacked float32" if packed else config.dtype)
+                        config.dtype, "prepacked float32" if packed else
+                        f"prepacked {config.dtype}" if prepacked else config.dtype)
         self.backend = get_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:

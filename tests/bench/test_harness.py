@@ -217,6 +217,8 @@ def test_sizing_leaves_pool_larger_than_decode_and_fits_longest() -> None:
     assert sizing.pool_ratio > 2
     assert 0.9 * sizing.num_decode_blocks * sizing.block_size >= longest
     assert sizing.num_staging_blocks >= sizing.num_decode_blocks
+    # what a peer is given for equal memory: opt-125m's 12 layers x K,V x 768 channels, bf16
+    assert sizing.decode_kv_bytes == sizing.num_decode_blocks * 16 * 12 * 2 * 768 * 2
 
 
 def test_iteration_log_round_trips(tmp_path: Path) -> None:

@@ -24,13 +24,17 @@ def test_saved_checkpoint_holds_the_engines_weights(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
-def test_vllm_env_binds_every_core_and_preloads_its_openmp(tmp_path: Path) -> None:
+def test_vllm_env_binds_every_core_and_preloads_its_openmp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the legacy variable would override the KV memory the driver is given
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").touch()
     env = peers.vllm_env(tmp_path, 2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
 def test_missing_virtualenv_names_make_peers(tmp_path: Path) -> None:

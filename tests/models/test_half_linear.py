@@ -1,0 +1,61 @@
+"""Prepacked half-precision matmuls (`HalfLinear`): a bf16 model whose linear layers and LM
+head run from oneDNN-packed weights computes what the same model computes with `F.linear`,
+on OPT and on the Llama family, through prefill and decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models.opt
+from models.llama import PRESETS as LLAMA_PRESETS
+from models.llama import LlamaConfig, LlamaForCausalLM
+from models.loader import build_preset, build_random
+from models.opt import HalfLinear, fit_matmuls_to
+from tests.models.conftest import PagedRunner, random_prompts, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="HalfLinear needs oneDNN")
+
+
+def build(family: str, seed: int) -> torch.nn.Module:
+    if family == "opt":
+        return build_preset("opt-tiny", torch.bfloat16, "cpu", seed=seed).model
+    cfg = LlamaConfig(**LLAMA_PRESETS["llama-tiny"], tie_word_embeddings=True)
+    return build_random(cfg, LlamaForCausalLM, torch.bfloat16, "cpu", seed).model
+
+
+def steps(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of a prefill of `prompts` and of two decode steps after it."""
+    runner = PagedRunner(model, [len(p) + 2 for p in prompts])
+    out = list(runner.step(dict(enumerate(prompts))))
+    for token in (7, 9):
+        out += runner.step({i: [token] for i in range(len(prompts))})
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_packed_half_matmuls_compute_what_f_linear_does(family: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)  # pack the tiny weights too
+    plain, packed = build(family, seed=3), build(family, seed=3)
+    packed.use_packed_half_matmuls()
+    layers = [m for m in packed.modules() if isinstance(m, HalfLinear)]
+    assert layers and all(m.is_packed for m in layers)
+    assert isinstance(packed.lm_head, HalfLinear)  # the tied LM head, packed too
+    assert sum(p.numel() for p in packed.parameters()) == sum(
+        p.numel() for p in plain.parameters())  # the tied weight is not counted twice
+    prompts = random_prompts([9, 31, 4], plain.config.vocab_size, seed=2)
+    want, got = steps(plain, prompts), steps(packed, prompts)
+    assert got.dtype == torch.bfloat16
+    # the same GEMM; only the residual add, fused into it, rounds once instead of twice
+    assert rel_err(got, want) < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_native_half_gemm_gets_packed_half_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models.opt, "has_half_matmul", lambda dtype: True)
+    model = build("llama", seed=1)
+    assert not fit_matmuls_to(model, torch.device("cpu"))  # not switched to float32
+    assert isinstance(model.model.layers[0].down_proj, HalfLinear)
+    assert next(model.parameters()).dtype == torch.bfloat16
