@@ -142,6 +142,28 @@ static inline void prefetch_block(const char *p, int64_t bs, int64_t row_bytes,
         for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+/* exp of each of n floats, in place, in a loop the compiler vectorizes: 2^k * exp(r) with
+   r = x - k ln 2 (|r| <= ln 2 / 2, ln 2 in two parts) and Cephes' single-precision
+   polynomial for exp(r), within about one ulp of expf. Inputs below -87.3 give the smallest
+   normal float (their weights are zero to float precision); NaN stays NaN. */
+static inline void exp_all(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i], c = v < -87.33654f ? -87.33654f : v > 88.37626f ? 88.37626f : v;
+        float k = (c * 1.44269504f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+        float r = c - k * 0.693359375f + k * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        int32_t bits = ((int32_t)k + 127) << 23;
+        float scale; memcpy(&scale, &bits, sizeof scale);
+        x[i] = v != v ? v : p * scale;
+    }
+}
+
 /* (sum(a), sum(b), sum(c), sum(d)), each added in sum8(fold8(.))'s order, in a few shuffles */
 static inline f32x4 sum4(fvec a, fvec b, fvec c, fvec d) {
     f32x4 a4 = halves(fold8(a)), b4 = halves(fold8(b)), c4 = halves(fold8(c));
@@ -243,9 +265,11 @@ static void NAME(Job *job, float *scores) {                                     
         for (int64_t p = 0; p < len; p++)                                               \
             for (int64_t h = 0; h < gq; h++)                                            \
                 if (scores[p * gq + h] > peak[h]) peak[h] = scores[p * gq + h];         \
-        for (int64_t h = 0; h < gq; h++)                                                \
-            for (int64_t p = 0; p < len; p++)                                           \
-                total[h] += scores[p * gq + h] = expf(scores[p * gq + h] - peak[h]);    \
+        for (int64_t p = 0; p < len; p++)                                               \
+            for (int64_t h = 0; h < gq; h++) scores[p * gq + h] -= peak[h];             \
+        exp_all(scores, len * gq);                                                      \
+        for (int64_t p = 0; p < len; p++)                                               \
+            for (int64_t h = 0; h < gq; h++) total[h] += scores[p * gq + h];            \
         for (int64_t i = 0; i < gq * vecs; i++) acc[i] = (fvec){0};                     \
         for (int64_t p0 = 0; p0 < len; p0 += bs) {                                      \
             const T *v = kbase + job->v_offset + table[p0 / bs] * job->block_stride     \

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import AttentionBackend, AttentionMetadata
-from models.opt import Float32Linear, HalfLinear, linear_add, pack_linears
+from models.opt import Float32Linear, HalfLinear, linear_add, pack_linears, silu_mul
 from models.registry import LLAMA_ARCHITECTURES as ARCHITECTURES
 from models.registry import architecture
 
@@ -216,8 +216,8 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, meta, backend,
                            residual=x)  # [n, hidden]
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return linear_add(self.down_proj, F.silu(gate) * up, h)  # [n, hidden]
+        act = silu_mul(self.gate_up_proj, self.post_attention_layernorm(h))  # [n, ffn]
+        return linear_add(self.down_proj, act, h)  # [n, hidden]
 
 
 class LlamaModel(nn.Module):

@@ -219,6 +219,7 @@ class HalfLinear(nn.Module):
         self.is_packed = weight.numel() >= PACK_MIN_WEIGHTS
         # NOTE: packed on the first forward, in the runner's thread (as Float32Linear).
         self.packed: Tensor | None = None
+        self.halves: tuple[tuple[Tensor, Tensor | None], ...] | None = None  # `silu_mul`'s
 
     @classmethod
     def of(cls, linear: nn.Linear) -> HalfLinear:
@@ -241,6 +242,31 @@ class HalfLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
                                                  "relu" if relu else "none", [], "")
         return out if residual is None else out.add_(residual)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        """silu(gate) * up of a fused gate/up layer (gate rows, then up rows): two GEMMs
+        over the halves' own packed weights, SiLU and the product fused into their outputs
+        (oneDNN's swish and binary-mul post-ops), so no pass over the gate/up output."""
+        if self.halves is None:
+            rows = self.weight.shape[0] // 2
+            self.halves = tuple(  # type: ignore[assignment]
+                (torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH),
+                 None if self.bias is None else self.bias[i * rows:(i + 1) * rows])
+                for i, w in enumerate(self.weight.split(rows)))
+        assert self.halves is not None
+        (gate, gate_bias), (up, up_bias) = self.halves
+        g = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
+            x, g, up, up_bias, "mul")
+
+
+def silu_mul(layer: nn.Module, x: Tensor) -> Tensor:
+    """silu(gate) * up of fused gate/up layer `layer` on `x`, in GEMM post-ops where `layer`
+    is a packed `HalfLinear`."""
+    if isinstance(layer, HalfLinear) and layer.is_packed:
+        return layer.silu_mul(x)
+    gate, up = layer(x).chunk(2, dim=-1)
+    return F.silu(gate) * up  # type: ignore[no-any-return]
 
 
 PACKED_LINEARS = (Float32Linear, HalfLinear)  # the layers whose forward fuses norm/residual

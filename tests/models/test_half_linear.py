@@ -59,3 +59,17 @@ def test_native_half_gemm_gets_packed_half_matmuls(monkeypatch: pytest.MonkeyPat
     assert not fit_matmuls_to(model, torch.device("cpu"))  # not switched to float32
     assert isinstance(model.model.layers[0].down_proj, HalfLinear)
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_silu_mul_fuses_the_gated_mlp_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)
+    g = torch.Generator().manual_seed(5)
+    fc = torch.nn.Linear(64, 2 * 96, dtype=torch.bfloat16)  # gate rows, then up rows; a bias
+    with torch.no_grad():
+        fc.weight.copy_(torch.randn(fc.weight.shape, generator=g) * 0.1)
+        fc.bias.copy_(torch.randn(fc.bias.shape, generator=g))
+    x = torch.randn(7, 64, generator=g).to(torch.bfloat16)
+    gate, up = fc(x).float().chunk(2, dim=-1)
+    got = models.opt.silu_mul(HalfLinear.of(fc), x)
+    assert got.shape == (7, 96) and got.dtype == torch.bfloat16
+    assert rel_err(got, torch.nn.functional.silu(gate) * up) < 2e-2
