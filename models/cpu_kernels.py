@@ -8,9 +8,6 @@ when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
 `advise_huge_pages` asks Linux for transparent huge pages under the large buffers those
 kernels stream every decode step (the packed weights, the KV cache): with 4 KiB pages each
 page read costs a TLB miss, a two-level page walk under a hypervisor.
-
-`keep_freed_memory` stops glibc's allocator from handing a step's activations back to the
-kernel between steps (see there).
 """
 
 from __future__ import annotations
@@ -120,23 +117,3 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     return True
 
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: allocations up to this come from the heap
-TRIM_THRESHOLD = 512 << 20  # freed heap memory kept for reuse, at most
-
-
-@cache
-def keep_freed_memory() -> bool:
-    """Makes glibc's malloc serve allocations up to `MMAP_THRESHOLD` from its heap and keep
-    up to `TRIM_THRESHOLD` of freed memory, so that a step's activations (megabytes each
-    at prompt shapes) reuse pages instead of being mapped, zeroed by the kernel page by
-    page, and unmapped again at every operator. Returns whether it applied: not on other
-    C libraries, nor when the user tunes malloc (GLIBC_TUNABLES) or ASERVE_MALLOC_TUNING=0."""
-    if (platform.system() != "Linux" or os.environ.get("ASERVE_MALLOC_TUNING", "1") == "0"
-            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
-            or platform.libc_ver()[0] != "glibc"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -19,7 +19,8 @@ import torch
 
 from aserve.engine.config import ModelConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
-from models import cpu_isa, cpu_kernels
+from aserve.engine.host import tune_host_allocator
+from models import cpu_isa
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import HalfLinear, OPTConfig, OPTForCausalLM, fit_matmuls_to
@@ -97,7 +98,7 @@ class ModelRunner:
         )
         self.model.eval()
         if device.type == "cpu":
-            cpu_kernels.keep_freed_memory()
+            tune_host_allocator()  # as the engine does: steps run the same outside it
         # NOTE: prepacked float32 matmuls on CPUs: torch's bf16/fp16 GEMM without AVX-512
         # BF16 or AMX runs several times slower than float32 (docs/results.md).
         packed = fit_matmuls_to(self.model, device)
