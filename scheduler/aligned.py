@@ -169,9 +169,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         rest is still being prefilled spends no less of the device's time, and batches the
         first requests to arrive, whatever their lengths; the refills then join that mix
         and every step pads to its longest. Waiting, the prefills run first and the pool
-        holds the backlog to batch by length. Where lengths cost nothing (split-K) it pays
-        all the same: each early step over the few seqs pooled pays a step's fixed part
-        (the weights' read) that the wider steps after the prefills would have shared.
+        holds the backlog to batch by length. Where a spread of lengths costs nothing
+        (split-K) the wait saves only a step's fixed part over the first few seqs, while
+        they wait for their second token through every prefill left, a wait P99 TPOT
+        counts; so there the pool decodes at once.
 
         Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
         more populated children) by the least ``waste`` per token instead of by the request
@@ -188,7 +189,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         if root.num_requests == 0:
             return []
         if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
-            if self.incoming:
+            if self.incoming and self.alignment_pays([1, self.config.max_len]):
                 return []  # more is coming: wait for a pool to choose from
             return [seq_id for _, seq_id in self._whole_or_split(
                 [(length, seq_id) for length, seq_id, _ in self.tree.root.requests()])]
