@@ -3,7 +3,7 @@ throughput (the driver's step-cost model, scheduler/step_time.py) instead of a f
 
 Where attention pays for the longest sequence of the batch (padded, a per-sequence GPU
 kernel) the cost model makes mixed lengths expensive and the policy groups them; where it
-does not (paged attention on a CPU, split-K) it keeps batches full, as fcfs would.
+does not (paged attention on a CPU, split-K) it keeps batches as wide as the KV holds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
     SeqView,
-    admit_in_arrival_order,
     by_arrival,
     ceil_div,
     growth,
@@ -170,7 +169,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         rest is still being prefilled spends no less of the device's time, and batches the
         first requests to arrive, whatever their lengths; the refills then join that mix
         and every step pads to its longest. Waiting, the prefills run first and the pool
-        holds the backlog to batch by length.
+        holds the backlog to batch by length. Where a spread of lengths costs nothing
+        (split-K) the wait saves only a step's fixed part over the first few seqs, while
+        they wait for their second token through every prefill left, a wait P99 TPOT
+        counts; so there the pool decodes at once.
 
         Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
         more populated children) by the least ``waste`` per token instead of by the request
@@ -222,7 +224,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         window keeps the long requests out until a tail of small closing steps; matching
         oldest first of any length binds them to whichever instance asked first, and with
         several decode instances the others run dry while it works through them. With no
-        dynamic prefetch here, `aligned` runs as fcfs does where alignment cannot pay."""
+        dynamic prefetch here, `aligned` takes its batches oldest first where alignment
+        cannot pay."""
         if self.starving_request(now) is not None or self.alignment_pays([max(lo, 1), hi]):
             return super().matching(lo, hi, max_blocks, max_requests, now)
         return []
@@ -295,9 +298,9 @@ class AlignedPolicy(AlignedStrictPolicy):
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
         room, evict the old batch's longest, then the current batch's. Where grouping cannot
-        pay (``alignment_pays`` over the pool and the lengths at hand), evictions and
-        admissions go as fcfs's: the latest arrival is evicted, and the candidate requests
-        and the candidate batch are admitted as one queue, strictly in arrival order.
+        pay (``alignment_pays`` over the pool and the lengths at hand), the batch is kept as
+        wide as the blocks allow, by ``aligned-loose``'s rules (evict the longest first, admit
+        closest in length first, past one that does not fit yet).
         Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first,
         strictly in the order they stalled (nothing else joins until they do). Otherwise,
         with ``HEADROOM_STEPS`` of
@@ -322,28 +325,22 @@ class AlignedPolicy(AlignedStrictPolicy):
         if self.is_starving(view, view.candidate_requests) or (
                 batch_wait is not None and self._past_threshold(view, batch_wait)):
             return super().plan_boundary(view)
+        running = [s.length for s in view.running]
+        # NOTE: where grouping cannot pay (over the pool nor over the lengths at hand), a
+        # step costs its total work, and a batch's time per token falls only as it widens.
+        # So the boundary keeps the most seqs running that the blocks hold: evictions take
+        # the longest first (the fewest seqs out for the room), and candidates join closest
+        # in length first, past one that does not fit yet (``aligned-loose``'s rules).
+        if not self.alignment_pays([*running, *(s.length for s in (
+                *view.candidate_requests, *view.candidate_batch))]):
+            return super().plan_boundary(view)
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
-        running = [s.length for s in view.running]
-        # NOTE: where grouping cannot pay (over the pool nor over the lengths at hand),
-        # evictions and admissions go as fcfs's: the most recent arrival goes first, and
-        # admissions strictly in arrival order. Evicting the longest and skipping a long
-        # candidate that does not fit yet let the shorter ones behind it take every block
-        # freed; the long ones would decode alone at the end, in a tail of small steps.
-        fifo = not self.alignment_pays([*running, *(s.length for s in (
-            *view.candidate_requests, *view.candidate_batch))])
         if reserve > view.free_blocks:
-            evict = plan_evictions(view, lambda: (
-                by_arrival(view.running)[::-1] if fifo else self._victims(view)))
+            evict = plan_evictions(view, lambda: self._victims(view))
             if evict:
                 return BoundaryPlan(evict=evict)
-        if fifo:
-            # NOTE: both buffers as one queue, strictly oldest first, with no headroom kept:
-            # fcfs's admission. Refills of candidate requests (stalled ones first) would
-            # keep going past an older candidate batch waiting to mix or drain, and its
-            # long requests would then decode in a tail of small steps.
-            return admit_in_arrival_order(view, reserve, running)
         if running and view.candidate_requests:  # a refill may follow: its step, costed
             # once for the stall bound and the refill's first question alike
             step = growing_step(self.step_time, running, self._time)

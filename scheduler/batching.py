@@ -248,18 +248,6 @@ def plan_admissions(view: BoundaryView, requests: Sequence[SeqView], batch: Sequ
     return BoundaryPlan(admit_requests=tuple(admitted[0]), admit_batch=tuple(admitted[1]))
 
 
-def admit_in_arrival_order(view: BoundaryView, reserve: int | None = None,
-                           lengths: Sequence[int] | None = None) -> BoundaryPlan:
-    """fcfs's admission over both buffers: the candidate requests and the candidate batch
-    as one queue, strictly in arrival order (the first seq that does not fit stops it)."""
-    in_batch = {s.seq_id for s in view.candidate_batch}
-    queue = by_arrival([*view.candidate_requests, *view.candidate_batch])
-    admitted = plan_admissions(view, queue, [], is_strict=True, reserve=reserve,
-                               lengths=lengths).admit_requests
-    return BoundaryPlan(admit_requests=tuple(i for i in admitted if i not in in_batch),
-                        admit_batch=tuple(i for i in admitted if i in in_batch))
-
-
 def plan_boundary_with(view: BoundaryView, victims: Callable[[], Iterable[SeqView]],
                        requests: Sequence[SeqView], batch: Sequence[SeqView],
                        is_strict: bool) -> BoundaryPlan:

@@ -113,7 +113,16 @@ class Instance:
         its own copies, as in the paper (the engine's batcher runs each copy as a task).
         """
         self.is_busy = False
-        while True:
+        # NOTE: a hand-over lands at once, and the batcher acts again after each copy lands:
+        # done by recursion, a backlog handed over at once nests an act per seq. So each
+        # nested act is a level of this stack, the batcher's copies still to start; the
+        # order is the recursion's (depth first).
+        levels: list[list[Move]] = [[]]
+        while levels:
+            if levels[-1]:
+                if self._copy([levels[-1].pop(0)], then_act=False):
+                    levels.append([])  # landed at once: act again before the next copy
+                continue
             began = time.perf_counter()
             work = self.core.step(self.loop.now)
             spent = time.perf_counter() - began
@@ -122,10 +131,10 @@ class Instance:
             if work is None:
                 if self._is_woken:  # woken while busy: act again once the loop is free
                     self.loop.soon(self._on_wake)
-                return
+                levels.pop()
+                continue
             if self.device is None:  # the batcher's copies: each acts again once landed
-                for move in work:  # type: ignore[union-attr]
-                    self._copy([move])
+                levels[-1] = list(work)  # type: ignore[arg-type]
                 continue
             self.is_busy = True
             if isinstance(work, Forward):
@@ -136,26 +145,32 @@ class Instance:
                 self._copy(work)
             return
 
-    def _copy(self, moves: list[Move]) -> None:
+    def _copy(self, moves: list[Move], then_act: bool = True) -> bool:
         """Copies `moves` one after another (the engine awaits each), each over its link
         from now; at its arrival the ledger commits it and the core is told. Then acts
-        again."""
-        if not moves:
-            self.act()
-            return
-        move, start = moves[0], self.loop.now
-        # a hand-over (one KV tensor: the table changes stores) copies nothing
-        end = start if move.handover else self.ctx.transfer(move, start)
+        again, or, with `then_act` False where all landed at once, returns True for the
+        caller to act."""
+        for i, move in enumerate(moves):
+            start = self.loop.now
+            if move.handover:  # one KV tensor changes stores: lands at once, as the
+                # engine's (KVSpace.copy awaits nothing)
+                self.ctx.kv.commit(move, start, start)
+                self.core.landed(move, start)
+                continue
+            end = self.ctx.transfer(move, start)
+            rest = moves[i + 1:]
 
-        def land() -> None:
-            self.ctx.kv.commit(move, start, end)
-            self.core.landed(move, end)
-            self._copy(moves[1:])
+            def land(move: Move = move, start: float = start, end: float = end) -> None:
+                self.ctx.kv.commit(move, start, end)
+                self.core.landed(move, end)
+                self._copy(rest)
 
-        if move.handover:  # lands at once, as the engine's (KVSpace.copy awaits nothing)
-            land()
-        else:
             self.loop.at(end, land)
+            return False
+        if then_act:
+            self.act()
+            return False
+        return True
 
     def _finish(self, step: Forward, duration: float) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no

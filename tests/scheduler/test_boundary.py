@@ -117,31 +117,41 @@ def test_strict_switch_waits_for_the_old_batch_to_drain(name: str) -> None:
     assert strict(name, view([], 40, batch=batch)) == BoundaryPlan(admit_batch=("b1",))
 
 
-def test_aligned_refills_by_arrival_where_a_step_costs_its_total_work() -> None:
-    """Under a total-work (paged, split-K) cost the older, longer candidate goes first, as
-    fcfs takes it; under a padded cost the one closer to the running batch's lengths."""
-    def padded(lengths: object) -> float:
-        lengths = list(lengths)  # type: ignore[call-overload]
-        return 1e-6 * (4096 + len(lengths) * max(lengths, default=0))
+def padded_cost(lengths: object) -> float:
+    """A step that reads every seq to the longest: grouping by length pays."""
+    lengths = list(lengths)  # type: ignore[call-overload]
+    return 1e-6 * (4096 + len(lengths) * max(lengths, default=0))
 
+
+def test_aligned_keeps_the_batch_wide_where_a_step_costs_its_total_work() -> None:
+    """Under a total-work (paged, split-K) cost only a wider batch lowers the time per
+    token: the longest seq is evicted (the fewest out for the room), where fcfs evicts the
+    latest arrival, and a candidate that does not fit yet lets the next one in."""
+    running = [seq("first", 65, arrival=1.0), seq("last", 17, arrival=9.0),
+               seq("mid", 33, arrival=5.0)]
+    total_work = get_policy("aligned", PolicyConfig())  # the default: split-K's total work
+    assert total_work.plan_boundary(view(running, 2)).evict == ("first",)
+    assert plan("fcfs", view(running, 2)).evict == ("last",)
+    requests = (seq("late", 20, 2, arrival=2.0), seq("early", 300, 19, arrival=1.0))
+    assert plan("fcfs", view([], 10, requests=requests)) == BoundaryPlan()
+    assert total_work.plan_boundary(view([], 10, requests=requests)).admit_requests == (
+        "late",)
+
+
+def test_aligned_refills_closest_in_length_where_padding_costs() -> None:
     running = [seq("r1", 100, 7), seq("r2", 110, 7)]
     requests = (seq("long", 900, 57, arrival=0.0), seq("near", 120, 8, arrival=5.0))
-    total_work = get_policy("aligned", PolicyConfig())  # the default: split-K's total work
-    assert total_work.plan_boundary(view(running, 66, requests=requests)).admit_requests[0] == (
-        "long")
-    grouped = get_policy("aligned", PolicyConfig(), padded)
+    grouped = get_policy("aligned", PolicyConfig(), padded_cost)
     assert grouped.plan_boundary(view(running, 66, requests=requests)).admit_requests[0] == (
         "near")
 
 
 def test_fcfs_refills_strictly_by_arrival() -> None:
     requests = (seq("late", 20, 2, arrival=2.0), seq("early", 300, 19, arrival=1.0))
-    # "early" does not fit: strict FCFS admits nothing behind it, and neither does aligned
-    # under a total-work cost; where padding makes grouping pay, aligned skips it.
+    # "early" does not fit: strict FCFS admits nothing behind it; where padding makes
+    # grouping pay, aligned skips it.
     assert plan("fcfs", view([], 10, requests=requests)) == BoundaryPlan()
-    assert plan("aligned", view([], 10, requests=requests)) == BoundaryPlan()
-    padded = get_policy("aligned", PolicyConfig(), lambda lengths: 1e-6 * (
-        4096 + len(lengths) * max(lengths, default=0)))
+    padded = get_policy("aligned", PolicyConfig(), padded_cost)
     assert padded.plan_boundary(view([], 10, requests=requests)).admit_requests == ("late",)
 
 

@@ -38,18 +38,19 @@ def test_without_starvation_candidate_requests_go_first_where_grouping_pays() ->
         assert plan.admit_requests == ("m0",)
 
 
-def test_where_grouping_cannot_pay_both_buffers_are_admitted_oldest_first() -> None:
-    """Under a total-work step cost (the default, as paged attention's on a CPU) the older
-    candidate batch goes before a newer candidate request that matches the running batch,
-    as fcfs would admit them; the request waits for room: newer refills that
-    kept passing an older candidate batch left its long requests for a tail of small
-    steps)."""
+def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> None:
+    """Under a total-work step cost (the default, as paged attention's on a CPU) the
+    boundary admits what keeps the batch widest, the newer candidate request first, and the
+    older candidate batch as room allows; once it starves it goes first."""
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
         view(now=10.0))
-    assert plan.admit_batch == ("long",) and plan.admit_requests == ()  # 4 + 3 > 6 blocks
+    assert plan.admit_requests == ("m0",) and plan.admit_batch == ()  # 3 + 4 > 6 blocks
     wide = dataclasses.replace(view(now=10.0), free_blocks=16)
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(wide)
     assert plan.admit_batch == ("long",) and plan.admit_requests == ("m0",)
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(
+        view(now=10.0))
+    assert plan.admit_batch == ("long",) and plan.admit_requests == ()
 
 
 def test_starving_evicted_request_goes_before_closer_candidate_requests() -> None:

@@ -95,3 +95,27 @@ def test_device_runs_steps_one_after_another() -> None:
     assert device.run(0.0, 2.0) == (0.0, 2.0)
     assert device.run(1.0, 1.0) == (2.0, 3.0)
     assert device.busy_time == pytest.approx(3.0)
+
+
+def test_a_backlog_handed_over_at_once_does_not_nest_an_act_per_seq() -> None:
+    """On one device the batcher hands a whole pooled backlog over to decode at once (one
+    KV tensor: each move lands at once); the simulated batcher does not recurse per seq."""
+    import sys
+
+    from bench.workloads import synthetic
+    from sim import ClusterConfig, simulate
+    from tests.cores.test_differential import cost_model
+
+    count = 400
+    load = synthetic(count, short_ratio=1.0, short_range=(8, 16), long_range=(8, 16),
+                     output_range=(2, 3), seed=0)
+    cluster = ClusterConfig.create(num_decode_blocks=2 * count, num_prefill_blocks=64,
+                                   num_staging_blocks=2 * count, num_host_blocks=4 * count,
+                                   min_requests=count, max_batch_size=count)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(600)  # well under a frame or two per seq
+    try:
+        result = simulate(load, "aligned", cluster, cost_model("split-k"))
+    finally:
+        sys.setrecursionlimit(limit)
+    assert result.num_finished == count
