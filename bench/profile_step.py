@@ -30,7 +30,7 @@ from aserve.engine.config import ModelConfig
 from aserve.engine.runner import ModelRunner, PenaltySettings, WorkItem
 from models import cpu_isa
 from models.loader import resolve_dtype
-from models.opt import PACKED_LINEARS
+from models.opt import PACKED_LINEARS, HalfLinear
 
 BLOCK_SIZE = 16  # tokens per KV block
 PARTS = ("linear", "lm_head", "attention", "sampler", "metadata")  # labelled ranges
@@ -93,6 +93,9 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
         if isinstance(module, (nn.Linear, *PACKED_LINEARS)):
             handles.append(module.register_forward_pre_hook(enter("linear")))
             handles.append(module.register_forward_hook(leave))
+    gated = [m for m in runner.model.modules() if isinstance(m, HalfLinear)]
+    for module in gated:  # the fused gate/up GEMMs run outside forward
+        module.silu_mul = wrap("linear", module.silu_mul)  # type: ignore[method-assign]
     saved = (runner._prepare, runner.model.compute_logits, runner_module.sample)
     # the attention backend's call (KV write included), whatever the model family
     runner.backend.attend = wrap("attention", runner.backend.attend)  # type: ignore[method-assign]
@@ -105,6 +108,8 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
         for handle in handles:
             handle.remove()
         del runner.backend.attend  # the class's method again
+        for module in gated:
+            del module.silu_mul
         runner._prepare, runner.model.compute_logits, runner_module.sample = saved  # type: ignore
 
 
