@@ -172,63 +172,6 @@ static inline f32x4 sum4(fvec a, fvec b, fvec c, fvec d) {
     return EVENS(ab, cd) + ODDS(ab, cd);
 }
 
-#if LANES == 16 && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define QK16_MAX_CHUNKS 8  /* head_dim up to 256 */
-
-/* lane t of the result = the sum of the 16 lanes of a[t] (a transpose and add, 4 levels) */
-static inline __m512 reduce16(const __m512 *a) {
-    __m512 t[8], u[4], v[2];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)
-        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88),
-                         _mm512_shuffle_f32x4(v[0], v[1], 0xdd));
-}
-
-/* q.k over a bf16 cache with bf16 queries where the CPU has AVX-512 BF16: the scores of the
-   first n - n % 16 of a block's n tokens (rows `row` elements apart from k, the group's
-   first KV head) against the group's g * rep query heads q, times scale, into
-   s[t * g * rep + h]. vdpbf16ps takes 32 products per instruction (exact products, float32
-   sums), and sixteen tokens' sums reduce together, so no dot product pays for its own
-   horizontal sum. Returns the tokens done (0: head_dim is not a multiple of 32). */
-static inline int64_t qk16_bf16(const uint16_t *k, int64_t row, const uint16_t *q, int64_t g,
-                                int64_t rep, int64_t dim, float scale, float *s, int64_t n) {
-    const int64_t gq = g * rep, chunks = dim / 32, done = n - n % 16;
-    if (dim % 32 || chunks > QK16_MAX_CHUNKS) return 0;
-    for (int64_t t0 = 0; t0 < done; t0 += 16)
-        for (int64_t h = 0; h < gq; h++) {
-            const uint16_t *kh = k + t0 * row + h / rep * dim;
-            __m512bh qb[QK16_MAX_CHUNKS];
-            for (int64_t c = 0; c < chunks; c++)
-                qb[c] = (__m512bh)_mm512_loadu_si512(q + h * dim + c * 32);
-            __m512 acc[16];
-            for (int t = 0; t < 16; t++) {
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t c = 0; c < chunks; c++)
-                    a = _mm512_dpbf16_ps(
-                        a, (__m512bh)_mm512_loadu_si512(kh + t * row + c * 32), qb[c]);
-                acc[t] = a;
-            }
-            float out[16];
-            _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
-            for (int t = 0; t < 16; t++) s[(t0 + t) * gq + h] = out[t];
-        }
-    return done;
-}
-#else
-#define qk16_bf16(k, row, q, g, rep, dim, scale, s, n) 0
-#endif
-#define qk16_none(k, row, q, g, rep, dim, scale, s, n) 0
-
 /* One work item = one sequence and a group of `group` adjacent KV heads with their `rep`
    query heads each (grouped-query attention: query head j reads KV head j / rep), read
    token by token (each token's K/V of the group is one contiguous run): first this step's
@@ -252,7 +195,7 @@ static inline int64_t qk16_bf16(const uint16_t *k, int64_t row, const uint16_t *
         if (h == gq) h = 0, kh += row - g * dim;                                        \
     } while (0)
 
-#define KERNEL(NAME, QT, QLOAD, QSTORE, QWIDEN, T, LOAD2, STORE, POS, QK16)             \
+#define KERNEL(NAME, QT, QLOAD, QSTORE, QWIDEN, T, LOAD2, STORE, POS)                   \
 static inline fvec NAME##_dot(const T *k, const fvec *q, int64_t chunks) {              \
     fvec a, b;                                                                          \
     LOAD2(k, &a, &b);                                                                   \
@@ -299,12 +242,11 @@ static void NAME(Job *job, float *scores) {                                     
                 prefetch_block((const char *)(kbase + table[p0 / bs + 1]                \
                                               * job->block_stride + h0 * dim),          \
                                bs, row * sizeof(T), g * dim * sizeof(T));               \
-            const int64_t n = len - p0 < bs ? len - p0 : bs, pairs = n * gq;            \
+            const int64_t pairs = (len - p0 < bs ? len - p0 : bs) * gq;                 \
             float *s = scores + p0 * gq;                                                \
-            const int64_t t0 = QK16(k, row, q, g, rep, dim, job->scale, s, n);          \
             /* pair j = (token t, query head h = its KV head's r-th); kh: the KV row */ \
-            int64_t j = t0 * gq, h = 0, r = 0;                                          \
-            const T *kh = k + t0 * row;                                                 \
+            int64_t j = 0, h = 0, r = 0;                                                \
+            const T *kh = k;                                                            \
             for (; j + 4 <= pairs; j += 4) {                                            \
                 fvec d[4];                                                              \
                 for (int u = 0; u < 4; u++) {                                           \
@@ -373,12 +315,11 @@ static void NAME(Job *job, float *scores) {                                     
     }                                                                                   \
 }
 
-KERNEL(decode_f32, float, load_f32, store_f32, widen_f32, float, load2_f32, store_f32, POS_f32,
-       qk16_none)
+KERNEL(decode_f32, float, load_f32, store_f32, widen_f32, float, load2_f32, store_f32, POS_f32)
 KERNEL(decode_bf16, uint16_t, load_bf16, store_bf16, widen_bf16, uint16_t, load2_bf16, store_bf16,
-       POS_bf16, qk16_bf16)
+       POS_bf16)
 KERNEL(decode_f32_bf16, float, load_f32, store_f32, widen_f32, uint16_t, load2_bf16, store_bf16,
-       POS_bf16, qk16_none)
+       POS_bf16)
 
 enum { F32 = 0, BF16 = 1, F32_OVER_BF16 = 2 };  /* (queries, cache) dtypes */
 
