@@ -11,8 +11,9 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
   the development CPU (OPT-125m, bf16): padded from benchmarks/data's scaled-down padded
   run, paged from an engine start-up probe of paged attention (benchmarks/data).
 - Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
-  32-40 output tokens, opt-125m bf16, padded, each system once (the order rotated from one
-  member to the next) and `aligned` a second time, last.
+  32-40 output tokens, opt-125m bf16, padded (``ASERVE_FAMILY_ATTENTION=paged``: paged),
+  each system once (the order rotated from one member to the next) and `aligned` a second
+  time, last.
 
     ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
 """
@@ -43,6 +44,7 @@ DATA = Path(__file__).resolve().parent / "data"
 SEED = int(os.environ.get("ASERVE_FAMILY_SEED", "1"))  # held out: developed on seed 0
 NUM_SIM = int(os.environ.get("ASERVE_FAMILY_SIM", "24"))
 NUM_ENGINE = int(os.environ.get("ASERVE_FAMILY_ENGINE", "6"))
+ATTENTION = os.environ.get("ASERVE_FAMILY_ATTENTION", "padded")  # the engine runs' backend
 SYSTEMS = ("aligned", "fcfs", "continuous", "aligned-loose")
 MODEL, DTYPE, BLOCK_SIZE, MAX_LEN = "opt-125m", "bfloat16", 16, 2040
 ENGINE_REQUESTS, ENGINE_OUTPUTS = (32, 36), (32, 40)  # the family's small end: a 2-core CPU
@@ -179,11 +181,11 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
     kv = sizes(member)
     prompts = workload_prompts(member.workload, arch.vocab_size, settings.seed)
     sizing = Sizing(**kv, host_pool_gb=0.25, pool_ratio=math.nan)
-    names = [f"{s}/padded" for s in systems]
+    names = [f"{s}/{ATTENTION}" for s in systems]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     if warm_up:
         run_system(names[0], member.workload, prompts, sizing, settings, None)
-    for name in [*rotated(names, first), "aligned/padded"]:
+    for name in [*rotated(names, first), f"aligned/{ATTENTION}"]:
         result = run_system(name, member.workload, prompts, sizing, settings, None)
         s = result.summary()
         steps = decode_steps(result.iterations)
@@ -201,9 +203,10 @@ def test_family_on_the_engine() -> None:
     members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
                             output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "family_engine.jsonl"
+    out = RESULTS / ("family_engine.jsonl" if ATTENTION == "padded"
+                     else f"family_engine_{ATTENTION}.jsonl")
     out.write_text("")
-    cost = cpu_cost("padded")
+    cost = cpu_cost("padded" if ATTENTION == "padded" else "split-k")
     for i, member in enumerate(members):
         cell = engine_member(member, first=i, warm_up=i == 0)
         cell["sim"] = sim_member(member, cost)
