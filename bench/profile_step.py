@@ -88,14 +88,14 @@ def labelled(runner: ModelRunner) -> Iterator[None]:
                 return fn(*args, **kwargs)
         return wrapped
 
-    handles = []
+    handles, gated = [], []
     for module in runner.model.modules():
         if isinstance(module, (nn.Linear, *PACKED_LINEARS)):
             handles.append(module.register_forward_pre_hook(enter("linear")))
             handles.append(module.register_forward_hook(leave))
-    gated = [m for m in runner.model.modules() if isinstance(m, HalfLinear)]
-    for module in gated:  # the fused gate/up GEMMs run outside forward
-        module.silu_mul = wrap("linear", module.silu_mul)  # type: ignore[method-assign]
+        if isinstance(module, HalfLinear):  # its fused gate/up GEMMs run outside forward
+            module.silu_mul = wrap("linear", module.silu_mul)  # type: ignore[method-assign]
+            gated.append(module)
     saved = (runner._prepare, runner.model.compute_logits, runner_module.sample)
     # the attention backend's call (KV write included), whatever the model family
     runner.backend.attend = wrap("attention", runner.backend.attend)  # type: ignore[method-assign]

@@ -323,18 +323,17 @@ KERNEL(decode_f32_bf16, float, load_f32, store_f32, widen_f32, uint16_t, load2_b
 
 enum { F32 = 0, BF16 = 1, F32_OVER_BF16 = 2 };  /* (queries, cache) dtypes */
 
-typedef struct { Job *job; int kind; } Worker;
-
-static void *work(void *arg) {
-    Worker *w = arg;
-    int64_t len = w->job->max_len > 0 ? w->job->max_len : 1;
-    float *scores = malloc(sizeof(float) * w->job->group * w->job->rep * len);
-    if (scores == NULL) return (void *)1;
-    if (w->kind == BF16) decode_bf16(w->job, scores);
-    else if (w->kind == F32_OVER_BF16) decode_f32_bf16(w->job, scores);
-    else decode_f32(w->job, scores);
+/* One worker's share of `job` (work items from the shared counter); 0, or 1 when its
+   scores buffer could not be allocated. */
+static int work(Job *job, int kind) {
+    int64_t len = job->max_len > 0 ? job->max_len : 1;
+    float *scores = malloc(sizeof(float) * job->group * job->rep * len);
+    if (scores == NULL) return 1;
+    if (kind == BF16) decode_bf16(job, scores);
+    else if (kind == F32_OVER_BF16) decode_f32_bf16(job, scores);
+    else decode_f32(job, scores);
     free(scores);
-    return NULL;
+    return 0;
 }
 
 /* Returns 0 on success, -1 when memory ran out (the caller falls back; the K/V writes may
@@ -352,10 +351,9 @@ int paged_decode(const void *q, const void *k_new, const void *v_new, int64_t q_
     Job job = {q, k_new, v_new, q_stride, k_stride, v_stride, k, v_offset, block_stride,
                tables, lens, width, num_seqs, heads, rep, dim, block_size, scale, out,
                max_len, group, 0};
-    Worker worker = {&job, kind};
     int failed = 0;
     #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
-    failed |= work(&worker) != NULL;
+    failed |= work(&job, kind);
     return failed ? -1 : 0;
 }
 """

@@ -116,4 +116,3 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         logger.info("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
         return False
     return True
-
