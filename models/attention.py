@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models import cpu_attention
+from models import cpu_attention, cpu_prefill
 from models.backends import TORCH_BACKENDS, build_backend
 
 BACKEND_NAMES = TORCH_BACKENDS  # the backends of this module (registered in models.backends)
@@ -181,17 +181,16 @@ class AttentionBackend(ABC):
         """
         if meta.is_decode:
             return self._grouped_decode(q, kv_cache, layer, _index(meta, kv_cache, None), scale)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
         decode_seqs: list[int] = []
+        prompts: list[tuple[int, int, int]] = []  # (first row, query count, key count)
         start = 0
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if q_len == 1 and s_len > 1:
                 decode_seqs.append(i)
             else:
-                rows = slice(start, start + q_len)
-                fresh = None if k is None or v is None or q_len != s_len else (k[rows], v[rows])
-                out[rows] = _prefill_one(q[rows], kv_cache, layer, meta, i, scale, fresh)
+                prompts.append((i, start, q_len))
             start += q_len
+        out = _prefill(q, kv_cache, layer, meta, scale, k, v, prompts)
         if decode_seqs:
             # NOTE: a mixed batch runs its single-token sequences through the decode kernel.
             index = _index(meta, kv_cache, decode_seqs)
@@ -421,21 +420,34 @@ def _segment_softmax(scores: Tensor, index: CsrEntries) -> Tensor:
     return s.mul_(total.reciprocal_().index_select(0, index.seg))
 
 
-def _prefill_one(
-    q: Tensor,
-    kv_cache: Tensor,
-    layer: int,
-    meta: AttentionMetadata,
-    seq: int,
-    scale: float,
-    fresh: tuple[Tensor, Tensor] | None,
-) -> Tensor:
-    """Causal attention of one sequence's `[q_len, heads, dim]` queries over its KV."""
-    q_len, s_len = meta.query_lens_list[seq], meta.seq_lens_list[seq]
-    if fresh is not None:
-        k, v = fresh  # [s_len, num_heads, head_dim] each
-    else:
-        k, v = gather_seq_kv(kv_cache, layer, meta.block_tables[seq], s_len)
+def _prefill(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, scale: float,
+             k: Tensor | None, v: Tensor | None, prompts: list[tuple[int, int, int]]) -> Tensor:
+    """`[num_tokens, heads, dim]` with the rows of every prompt sequence (`prompts`: its
+    index, first row and query count) attended causally over its KV; other rows unset.
+    Sequences without a cached prefix attend over the fresh k and v, with no gather."""
+    def kv_of(i: int, start: int, q_len: int) -> tuple[Tensor, Tensor]:
+        if k is not None and v is not None and q_len == meta.seq_lens_list[i]:
+            return k[start:start + q_len], v[start:start + q_len]
+        return gather_seq_kv(kv_cache, layer, meta.block_tables[i], meta.seq_lens_list[i])
+
+    if prompts and cpu_prefill.is_supported(q):
+        seqs = [(start, q_len, meta.seq_lens_list[i], *kv_of(i, start, q_len))
+                for i, start, q_len in prompts]
+        out = cpu_prefill.prefill(q, seqs, scale)
+        if out is not None:
+            return out
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
+    for i, start, q_len in prompts:
+        rows = slice(start, start + q_len)
+        out[rows] = _prefill_one(q[rows], meta.query_lens_list[i], meta.seq_lens_list[i], scale,
+                                 *kv_of(i, start, q_len))
+    return out
+
+
+def _prefill_one(q: Tensor, q_len: int, s_len: int, scale: float, k: Tensor, v: Tensor
+                 ) -> Tensor:
+    """Causal attention of one sequence's `[q_len, heads, dim]` queries, the last q_len
+    positions of its `[s_len, kv_heads, dim]` K and V, by torch's SDPA."""
     mask = None
     if q_len not in (1, s_len):
         # NOTE: bottom-right causal: query j sits at absolute position s_len - q_len + j.

@@ -1,0 +1,340 @@
+"""Causal prompt attention in bf16 for CPUs with AVX-512 BF16, in C, compiled once on first use.
+
+torch's CPU flash attention runs its bf16 tiles through small GEMM calls and reaches a
+fraction of the rate of the CPU's bf16 dot-product instruction (`vdpbf16ps`: 32 bf16
+products summed into 16 floats per instruction). This kernel is a flash attention built on
+that instruction: each (sequence, KV head) has its K packed once as pairs of dimensions for
+16 keys at a time and its V as pairs of keys for 16 dimensions at a time, so that both
+`Q K^T` and `P V` run as register-blocked `vdpbf16ps` loops (6 queries x 64 keys, or 6
+queries x 64 dimensions, in 24 accumulators). Scores, the running softmax and the output
+stay float32; the weights are rounded to bf16 for `P V` and the output once, as torch's
+bf16 flash attention does.
+
+Every prompt sequence of a step goes to one call: work items are (sequence, KV head, block
+of 32 query rows) with all the query heads that share the KV head (grouped-query attention
+reads each K/V tile once for all of them), handed out to torch's own OpenMP threads longest
+first. A sequence may have a cached prefix (chunked prefill): its queries then sit at the
+end of its keys (bottom-right causal mask).
+
+Optional, as torch's `scaled_dot_product_attention` stays the reference: `prefill` returns
+None where the kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
+multiple of 32, no C compiler), and the caller keeps its torch path. Built and cached by
+`models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from models import cpu_isa, cpu_kernels
+
+NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
+
+typedef struct {
+    const uint16_t *q;          /* [tokens, heads * rep, dim] rows q_row apart */
+    int64_t q_row;
+    const int64_t *q_start, *q_len, *s_len;  /* per sequence: first row, queries, keys */
+    const int64_t *k, *v;       /* per sequence: address of its K / V row 0 (bf16) */
+    const int64_t *k_row, *v_row;  /* per sequence: elements between its K / V rows */
+    int64_t num_seqs, heads, rep, dim;  /* heads: KV heads */
+    int64_t rows;               /* query rows per work item */
+    float scale;
+    uint16_t *out;              /* [tokens, heads * rep, dim] contiguous */
+    uint16_t *packed;           /* per (sequence, KV head): K then V, tiles of BK keys */
+    const int64_t *packed_at;   /* per sequence: offset of its head 0 in packed */
+} Job;
+
+static inline int64_t tiles_of(int64_t n) { return (n + BK - 1) / BK; }
+
+/* K of keys [0, n) as 32-bit words: tile t, dimension pair j, key lane l (16 keys per
+   group, BK / 16 groups per tile) holds (K[key][2j], K[key][2j + 1]); V as key pairs: word
+   (pair kk, dimension d) holds (V[2kk][d], V[2kk + 1][d]), 16 dimensions per vector. Keys
+   past n are zeros. */
+static void pack(const Job *job, int64_t s, int64_t h) {
+    const int64_t n = job->s_len[s], dim = job->dim, words = dim / 2, pad = tiles_of(n) * BK;
+    uint32_t *kp = (uint32_t *)(job->packed + job->packed_at[s] + h * 2 * pad * dim);
+    uint16_t *vp = job->packed + job->packed_at[s] + h * 2 * pad * dim + pad * dim;
+    const uint16_t *k = (const uint16_t *)job->k[s] + h * dim;
+    const uint16_t *v = (const uint16_t *)job->v[s] + h * dim;
+    for (int64_t key = 0; key < pad; key++) {
+        const int64_t t = key / BK, g = key % BK / 16, l = key % 16;
+        uint32_t *dst = kp + (t * (BK / 16) + g) * words * 16 + l;
+        if (key < n) {
+            const uint32_t *src = (const uint32_t *)(k + key * job->k_row[s]);
+            for (int64_t j = 0; j < words; j++) dst[j * 16] = src[j];
+        } else {
+            for (int64_t j = 0; j < words; j++) dst[j * 16] = 0;
+        }
+    }
+    for (int64_t kk = 0; kk < pad / 2; kk++) {
+        const uint16_t *v0 = v + 2 * kk * job->v_row[s], *v1 = v0 + job->v_row[s];
+        const int have0 = 2 * kk < n, have1 = 2 * kk + 1 < n;
+        uint16_t *dst = vp + kk * 2 * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            dst[2 * d] = have0 ? v0[d] : 0;
+            dst[2 * d + 1] = have1 ? v1[d] : 0;
+        }
+    }
+}
+
+/* exp of 16 floats (Cephes' polynomial after r = x - k ln 2), about one ulp of expf;
+   inputs below -87.3 (masked scores: -inf) give 0 */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33654f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k),
+                                                   _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(some, p, _mm512_castsi512_ps(e));
+}
+
+static inline __m512bh bcast(const uint32_t *p) { return (__m512bh)_mm512_set1_epi32((int)*p); }
+
+/* scores[m][0, BK) = q[m] . K[tile keys] for MB queries (words: dim / 2 pairs each) */
+static inline void scores_tile(const uint32_t *q, int64_t words, const uint32_t *kt,
+                               float *scores) {
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; m++)
+        for (int g = 0; g < 4; g++) acc[m][g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < words; j++) {
+        __m512bh k[4];
+        for (int g = 0; g < 4; g++)
+            k[g] = (__m512bh)_mm512_loadu_si512(kt + (g * words + j) * 16);
+        for (int m = 0; m < MB; m++) {
+            __m512bh a = bcast(q + m * words + j);
+            for (int g = 0; g < 4; g++) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], a, k[g]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int g = 0; g < 4; g++) _mm512_storeu_ps(scores + m * BK + g * 16, acc[m][g]);
+}
+
+/* o[m][c0 * 16, (c0 + nc) * 16) = alpha[m] o[m] + the p[m] pairs . V pairs, MB queries;
+   nc (4, or 2 at the end of a head_dim that is an odd multiple of 32) a constant when
+   inlined */
+static inline __attribute__((always_inline)) void values_tile(
+        const uint32_t *p, const float *alpha, const uint16_t *vt, int64_t dim, int64_t c0,
+        int nc, float *o) {
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < nc; c++)
+            acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(o + m * dim + (c0 + c) * 16),
+                                      _mm512_set1_ps(alpha[m]));
+    for (int64_t kk = 0; kk < BK / 2; kk++) {
+        __m512bh v[4];
+        for (int c = 0; c < nc; c++)
+            v[c] = (__m512bh)_mm512_loadu_si512(vt + kk * 2 * dim + (c0 + c) * 32);
+        for (int m = 0; m < MB; m++) {
+            __m512bh a = bcast(p + m * (BK / 2) + kk);
+            for (int c = 0; c < nc; c++) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], a, v[c]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < nc; c++) _mm512_storeu_ps(o + m * dim + (c0 + c) * 16, acc[m][c]);
+}
+
+typedef struct { float *scores, *o, *peak, *total, *top, *alpha; uint32_t *q, *p; } Scratch;
+
+/* One work item: KV head h of sequence s, query rows [r0, r0 + job->rows) with their rep heads
+   (query vector m = row * rep + i is head h * rep + i). */
+static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
+    const int64_t dim = job->dim, words = dim / 2, rep = job->rep, n = job->s_len[s];
+    const int64_t rows = job->q_len[s] - r0 < job->rows ? job->q_len[s] - r0 : job->rows;
+    const int64_t count = rows * rep, padded = (count + MB - 1) / MB * MB;
+    const int64_t first = n - job->q_len[s] + r0;  /* position of row r0 */
+    const int64_t keys = first + rows, pad = tiles_of(n) * BK;
+    const uint16_t *kp = job->packed + job->packed_at[s] + h * 2 * pad * dim;
+    const uint16_t *vp = kp + pad * dim;
+    for (int64_t m = 0; m < padded; m++) {
+        uint32_t *dst = w->q + m * words;
+        if (m < count) {
+            const uint16_t *src = job->q + (job->q_start[s] + r0 + m / rep) * job->q_row
+                                  + (h * rep + m % rep) * dim;
+            memcpy(dst, src, dim * sizeof(uint16_t));
+        } else {
+            memset(dst, 0, dim * sizeof(uint16_t));
+        }
+        w->peak[m] = -INFINITY, w->total[m] = 0.0f, w->alpha[m] = 1.0f;
+    }
+    memset(w->o, 0, padded * dim * sizeof(float));
+    const __m512 scale = _mm512_set1_ps(job->scale), lane = _mm512_set_ps(
+        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t t = 0; t * BK < keys; t++) {
+        const uint32_t *kt = (const uint32_t *)(kp + t * BK * dim);
+        for (int64_t m = 0; m < padded; m += MB)
+            scores_tile(w->q + m * words, words, kt, w->scores + m * BK);
+        /* every key of the tile at or before every query's position: nothing to mask */
+        const int whole = (t + 1) * BK <= first + 1;
+        for (int64_t m = 0; m < count; m++) {  /* scaled scores, masked; their maximum */
+            float *row = w->scores + m * BK;
+            const __m512 last = _mm512_set1_ps((float)(first + m / rep - t * BK));
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int g = 0; g < 4; g++) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + g * 16), scale);
+                if (!whole)  /* keys after this query's position (and past n) */
+                    x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_ps_mask(
+                        _mm512_add_ps(lane, _mm512_set1_ps(16.0f * g)), last, _CMP_LE_OQ), x);
+                _mm512_storeu_ps(row + g * 16, x);
+                top = _mm512_max_ps(top, x);
+            }
+            w->top[m] = _mm512_reduce_max_ps(top);
+        }
+        for (int64_t m = 0; m < count; m += 16) {  /* running maxima and rescale factors */
+            const __mmask16 live = count - m >= 16 ? 0xffff : (1u << (count - m)) - 1;
+            const __m512 old = _mm512_maskz_loadu_ps(live, w->peak + m);
+            const __m512 peak = _mm512_max_ps(old, _mm512_maskz_loadu_ps(live, w->top + m));
+            _mm512_mask_storeu_ps(w->alpha + m, live, exp16(_mm512_sub_ps(old, peak)));
+            _mm512_mask_storeu_ps(w->peak + m, live, peak);
+        }
+        for (int64_t m = 0; m < count; m++) {  /* weights, as bf16 key pairs; their sum */
+            const float *row = w->scores + m * BK;
+            const __m512 peak = _mm512_set1_ps(w->peak[m]);
+            uint32_t *p = w->p + m * (BK / 2);
+            __m512 sum = _mm512_setzero_ps();
+            for (int g = 0; g < 4; g++) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + g * 16), peak));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_storeu_si256((__m256i *)(p + g * 8), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            w->total[m] = w->total[m] * w->alpha[m] + _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t m = count; m < padded; m++) memset(w->p + m * (BK / 2), 0, BK * 2);
+        const uint16_t *vt = vp + t * BK * dim;
+        for (int64_t m = 0; m < padded; m += MB)
+            for (int64_t c0 = 0; c0 < dim / 16; c0 += 4) {
+                const uint32_t *p = w->p + m * (BK / 2);
+                float *o = w->o + m * dim;
+                if (dim / 16 - c0 >= 4) values_tile(p, w->alpha + m, vt, dim, c0, 4, o);
+                else values_tile(p, w->alpha + m, vt, dim, c0, 2, o);
+            }
+    }
+    const int64_t heads = job->heads * rep;
+    for (int64_t m = 0; m < count; m++) {
+        uint16_t *dst = job->out + ((job->q_start[s] + r0 + m / rep) * heads + h * rep
+                                    + m % rep) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / w->total[m]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(
+                _mm512_mul_ps(_mm512_loadu_ps(w->o + m * dim + d), inv)));
+    }
+}
+
+/* Returns 0, or -1 when scratch memory ran out (the caller falls back). */
+int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
+                      const int64_t *q_len, const int64_t *s_len, const int64_t *k,
+                      const int64_t *v, const int64_t *k_row, const int64_t *v_row,
+                      int64_t num_seqs, int64_t heads, int64_t rep, int64_t dim, int64_t rows,
+                      float scale,
+                      uint16_t *out, uint16_t *packed, const int64_t *packed_at,
+                      const int64_t *items, int64_t num_items, int num_threads) {
+    Job job = {q, q_row, q_start, q_len, s_len, k, v, k_row, v_row, num_seqs, heads, rep, dim,
+               rows, scale, out, packed, packed_at};
+    const int64_t most = (rows * rep + MB - 1) / MB * MB;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
+    {
+        #pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < num_seqs * heads; i++) pack(&job, i / heads, i % heads);
+        Scratch w = {malloc(most * BK * sizeof(float)), malloc(most * dim * sizeof(float)),
+                     malloc(most * sizeof(float)), malloc(most * sizeof(float)),
+                     malloc(most * sizeof(float)), malloc(most * sizeof(float)),
+                     malloc(most * dim * sizeof(uint16_t)), malloc(most * BK * 2)};
+        int ok = w.scores && w.o && w.peak && w.total && w.top && w.alpha && w.q && w.p;
+        failed = !ok;
+        /* items: (sequence, KV head, first row), longest first */
+        #pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < num_items; i++)
+            if (ok) item(&job, &w, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+        free(w.scores), free(w.o), free(w.peak), free(w.total), free(w.top), free(w.alpha);
+        free(w.q), free(w.p);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+QUERIES_PER_ITEM = 96  # query vectors (rows x heads sharing a KV head) per work item
+KEY_TILE = 64  # keys per packed tile (BK above)
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                ctypes.c_float,
+                ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+    # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
+    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
+    return (cpu_kernels.build("prefill_attention", _SOURCE, argtypes, ("-fopenmp",))
+            or cpu_kernels.build("prefill_attention", _SOURCE, argtypes))
+
+
+def is_supported(q: Tensor) -> bool:
+    """Whether `prefill` runs for queries like `q` on this machine."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+            and cpu_isa.detect().level in NATIVE_BF16_LEVELS and _library() is not None)
+
+
+def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: float
+            ) -> Tensor | None:
+    """Causal attention of prompt queries, every sequence of a step in one call.
+
+    q: `[num_tokens, heads, dim]` bf16 (heads a multiple of the KV heads; rows may be
+    strided, as views of a fused projection). `seqs`: per sequence (its first row in q, its
+    query count, its key count, K, V), K and V `[keys, kv_heads, dim]` bf16 with contiguous
+    heads; its queries are the last query-count positions of its keys. Returns
+    `[num_tokens, heads, dim]` bf16 with those rows written (others uninitialised), or None
+    where the kernel cannot run (`is_supported`, unusual strides, no memory)."""
+    if not seqs or not is_supported(q):
+        return None
+    kv_heads, dim = seqs[0][3].shape[1:]
+    if (q.shape[1] % kv_heads or q.stride(2) != 1 or q.stride(1) != dim
+            or any(t.dtype != torch.bfloat16 or t.shape[1:] != (kv_heads, dim)
+                   or t.stride(2) != 1 or t.stride(1) != dim
+                   for _, _, _, k, v in seqs for t in (k, v))):
+        return None
+    rep = q.shape[1] // kv_heads
+    block = max(1, QUERIES_PER_ITEM // rep)  # query rows per work item
+    starts, q_lens, s_lens, ks, vs = (list(c) for c in zip(*seqs))
+    padded = [-(-n // KEY_TILE) * KEY_TILE for n in s_lens]
+    packed_at = [0] + list(itertools.accumulate(n * 2 * kv_heads * dim for n in padded))
+    packed = torch.empty(packed_at.pop(), dtype=torch.bfloat16)
+    # longest sequences and their last rows (the most keys) first
+    items = [(s, h, r0) for s in sorted(range(len(seqs)), key=lambda s: -s_lens[s])
+             for r0 in range((q_lens[s] - 1) // block * block, -1, -block)
+             for h in range(kv_heads)]
+    meta = torch.tensor([starts, q_lens, s_lens, [t.data_ptr() for t in ks],
+                         [t.data_ptr() for t in vs], [t.stride(0) for t in ks],
+                         [t.stride(0) for t in vs], packed_at], dtype=torch.long)
+    at = [meta.data_ptr() + i * len(seqs) * 8 for i in range(8)]  # its rows' addresses
+    items_t = torch.tensor(items, dtype=torch.long)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    status = _library().prefill_attention(
+        q.data_ptr(), q.stride(0), *at[:7], len(seqs), kv_heads, rep, dim, block, scale,
+        out.data_ptr(), packed.data_ptr(), at[7], items_t.data_ptr(), len(items),
+        torch.get_num_threads())
+    return out if status == 0 else None
