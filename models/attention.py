@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models import cpu_attention, cpu_prefill
+from models import cpu_attention, cpu_bf16_attention
 from models.backends import TORCH_BACKENDS, build_backend
 
 BACKEND_NAMES = TORCH_BACKENDS  # the backends of this module (registered in models.backends)
@@ -430,10 +430,10 @@ def _prefill(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, s
             return k[start:start + q_len], v[start:start + q_len]
         return gather_seq_kv(kv_cache, layer, meta.block_tables[i], meta.seq_lens_list[i])
 
-    if prompts and cpu_prefill.is_supported(q):
+    if prompts and cpu_bf16_attention.is_supported(q):
         seqs = [(start, q_len, meta.seq_lens_list[i], *kv_of(i, start, q_len))
                 for i, start, q_len in prompts]
-        out = cpu_prefill.prefill(q, seqs, scale)
+        out = cpu_bf16_attention.prefill(q, seqs, scale)
         if out is not None:
             return out
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
