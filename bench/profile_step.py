@@ -29,6 +29,7 @@ import aserve.engine.runner as runner_module
 from aserve.engine.config import ModelConfig
 from aserve.engine.runner import ModelRunner, PenaltySettings, WorkItem
 from models import cpu_isa
+from models.cpu_kernels import advise_huge_pages
 from models.loader import resolve_dtype
 from models.opt import PACKED_LINEARS, HalfLinear
 
@@ -138,8 +139,11 @@ def profile_step(runner: ModelRunner, batch: int, context: int, phase: str,
     items, num_blocks = work(batch, context, phase, runner.model_config.vocab_size,
                              penalties)
     cfg = runner.model_config
-    kv = torch.randn(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+    # NOTE: on huge pages where Linux has them, as the engine allocates its KV cache
+    kv = torch.empty(num_blocks, cfg.num_layers, 2, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
                      dtype=resolve_dtype(dtype))
+    advise_huge_pages(kv)
+    kv.copy_(torch.randn(kv.shape))
     runner.execute_sync(items, kv)
     times = []
     for _ in range(repeats):
