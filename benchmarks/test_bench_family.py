@@ -12,8 +12,9 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
   run, paged from an engine start-up probe of paged attention (benchmarks/data).
 - Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
   32-40 output tokens, opt-125m bf16, padded (``ASERVE_FAMILY_ATTENTION=paged``: paged),
-  each system once (the order rotated from one member to the next) and `aligned` a second
-  time, last.
+  each system twice: once in an order rotated from one member to the next, then in the
+  reverse of that order; the tables give the median of the two runs (and both of `aligned`'s
+  decisions: the same on every run?).
 
     ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
 """
@@ -24,8 +25,10 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,9 +173,9 @@ def test_family_in_the_simulator() -> None:
 
 def engine_member(member: Member, first: int = 0, warm_up: bool = False,
                   model: str = MODEL, systems: tuple[str, ...] = SYSTEMS) -> dict[str, object]:
-    """Each system on ``member`` through the engine once, in ``systems`` order rotated by
-    ``first``, then `aligned` once more (its second run: the same decisions?); after one
-    run left out, with ``warm_up`` (first-call costs)."""
+    """Each system on ``member`` through the engine twice: in ``systems`` order rotated by
+    ``first``, then in the reverse of that order; after one run left out, with ``warm_up``
+    (first-call costs)."""
     from bench.bench_cli import BenchSettings, rotated, run_system
     from bench.harness import Sizing, model_config, workload_prompts
 
@@ -181,11 +184,11 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
     kv = sizes(member)
     prompts = workload_prompts(member.workload, arch.vocab_size, settings.seed)
     sizing = Sizing(**kv, host_pool_gb=0.25, pool_ratio=math.nan)
-    names = [f"{s}/{ATTENTION}" for s in systems]
+    order = rotated([f"{s}/{ATTENTION}" for s in systems], first)
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     if warm_up:
-        run_system(names[0], member.workload, prompts, sizing, settings, None)
-    for name in [*rotated(names, first), f"aligned/{ATTENTION}"]:
+        run_system(order[0], member.workload, prompts, sizing, settings, None)
+    for name in [*order, *reversed(order)]:
         result = run_system(name, member.workload, prompts, sizing, settings, None)
         s = result.summary()
         steps = decode_steps(result.iterations)
@@ -199,24 +202,65 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
     return {"member": member.name, "describe": member.describe(), "runs": runs, **kv}
 
 
+def engine_markdown(cells: list[dict[str, object]], members: list[Member]) -> str:
+    """The engine table: per member and system the median of its runs (tok/s), `aligned`
+    against the better of fcfs and continuous and against fcfs, P99 TPOT, `aligned`'s
+    decisions in each run, and the simulator's prediction and bound for the member."""
+    generated = {m.name: sum(r.output_len for r in m.workload.requests) for m in members}
+    head = ("| member | workload | aligned tok/s (runs) | fcfs | continuous | aligned-loose "
+            "| aligned ÷ better of fcfs, continuous | aligned ÷ fcfs | P99 TPOT s: aligned / "
+            "fcfs / continuous | aligned's runs: decode steps; padded KV tokens per generated "
+            "token | fcfs: padded KV per generated token | simulator: aligned ÷ fcfs; bound ÷ "
+            "fcfs |")
+    lines = [head, "|" + " --- |" * 12]
+    for cell in cells:
+        runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
+        med = {s: {k: statistics.median(r[k] for r in rs) for k in ("tok_s", "tpot_p99")}
+               for s, rs in runs.items()}
+        aligned, fcfs, cont = med["aligned"], med["fcfs"], med["continuous"]
+        per_token = generated[str(cell["member"])]
+        sim: dict[str, Any] = cell.get("sim", {})  # type: ignore[assignment]
+        rows = sim.get("rows", {})
+        predicted = (f"{rows['aligned']['tok_s'] / rows['fcfs']['tok_s']:.2f}; "
+                     f"{sim['bound_tok_s'] / rows['fcfs']['tok_s']:.2f}" if rows else "-")
+        loose = f"{med['aligned-loose']['tok_s']:.1f}" if "aligned-loose" in med else "-"
+        aligned_runs = ", ".join(f"{r['tok_s']:.1f}" for r in runs["aligned"])
+        lines.append(
+            f"| {str(cell['member']).split('-')[-1]} | {cell['describe']} "
+            f"| {aligned['tok_s']:.1f} ({aligned_runs}) "
+            f"| {fcfs['tok_s']:.1f} | {cont['tok_s']:.1f} | {loose} "
+            f"| {aligned['tok_s'] / max(fcfs['tok_s'], cont['tok_s']):.2f} "
+            f"| {aligned['tok_s'] / fcfs['tok_s']:.2f} "
+            f"| {aligned['tpot_p99']:.2f} / {fcfs['tpot_p99']:.2f} / {cont['tpot_p99']:.2f} "
+            f"| {', '.join(str(r['decode_steps']) for r in runs['aligned'])}; "
+            f"{', '.join(str(round(r['padded_tokens'] / per_token)) for r in runs['aligned'])} "
+            f"| {round(statistics.median(r['padded_tokens'] for r in runs['fcfs']) / per_token)} "
+            f"| {predicted} |")
+    return "\n".join(lines) + "\n"
+
+
 def test_family_on_the_engine() -> None:
     members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
                             output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("family_engine.jsonl" if ATTENTION == "padded"
-                     else f"family_engine_{ATTENTION}.jsonl")
+    name = "family_engine" if ATTENTION == "padded" else f"family_engine_{ATTENTION}"
+    out = RESULTS / f"{name}.jsonl"
     out.write_text("")
     cost = cpu_cost("padded" if ATTENTION == "padded" else "split-k")
+    cells = []
     for i, member in enumerate(members):
         cell = engine_member(member, first=i, warm_up=i == 0)
         cell["sim"] = sim_member(member, cost)
+        cells.append(cell)
         with out.open("a") as f:
             f.write(json.dumps(cell, default=str) + "\n")
-        first = {s: runs[0] for s, runs in cell["runs"].items()}  # type: ignore[union-attr]
+        runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
         print(member.name, member.describe(),
-              {s: (round(m["tok_s"], 1), round(m["tpot_p99"], 3)) for s, m in first.items()},
-              "aligned steps", [r["decode_steps"] for r in cell["runs"]["aligned"]],  # type: ignore[index]
-              flush=True)
+              {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()},
+              "aligned steps", [r["decode_steps"] for r in runs["aligned"]], flush=True)
+    text = engine_markdown(cells, members)
+    (RESULTS / f"{name}.md").write_text(f"seed {SEED}, {ATTENTION} attention\n\n{text}")
+    print(text)
 
 
 def test_family_on_the_engine_smollm2() -> None:
@@ -229,14 +273,19 @@ def test_family_on_the_engine_smollm2() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "family_engine_smollm2.jsonl"
     out.write_text("")
+    cells = []
     for i, member in enumerate(members):
         cell = engine_member(member, first=i, warm_up=i == 0, model="smollm2-135m-instruct",
                              systems=("aligned", "fcfs", "continuous"))
         with out.open("a") as f:
             f.write(json.dumps(cell, default=str) + "\n")
+        cells.append(cell)
+        runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
         print(member.name, member.describe(),
-              {s: (round(r[0]["tok_s"], 1), round(r[0]["tpot_p99"], 3))
-               for s, r in cell["runs"].items()}, flush=True)  # type: ignore[union-attr]
+              {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()}, flush=True)
+    text = engine_markdown(cells, members)
+    (RESULTS / "family_engine_smollm2.md").write_text(f"seed {SEED}, padded attention\n\n{text}")
+    print(text)
 
 
 def test_workload_names_stay_unique_across_members() -> None:

@@ -333,7 +333,9 @@ def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: 
     at = [meta.data_ptr() + i * len(seqs) * 8 for i in range(8)]  # its rows' addresses
     items_t = torch.tensor(items, dtype=torch.long)
     out = torch.empty(q.shape, dtype=torch.bfloat16)
-    status = _library().prefill_attention(
+    lib = _library()
+    assert lib is not None  # is_supported built it
+    status = lib.prefill_attention(
         q.data_ptr(), q.stride(0), *at[:7], len(seqs), kv_heads, rep, dim, block, scale,
         out.data_ptr(), packed.data_ptr(), at[7], items_t.data_ptr(), len(items),
         torch.get_num_threads())
