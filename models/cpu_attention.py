@@ -135,11 +135,13 @@ static inline f32x4 halves(f32x8 v) {  /* (v0 + v4, v1 + v5, v2 + v6, v3 + v7) *
 /* Asks for the `g * dim` elements of each of a block's `bs` token rows (`row` elements
    apart) ahead of their use. A sequence's blocks lie far apart in the cache (every layer's
    K and V of a block sit between them), and the hardware prefetchers stop at each 4 KiB
-   page, so without this every block starts with loads that wait on memory. */
+   page, so without this every block starts with loads that wait on memory. The lines go
+   to L2 (prefetcht1): a block's worth of L1 prefetches fills the L1's few miss buffers and
+   stalls the loads of the block being read. */
 static inline void prefetch_block(const char *p, int64_t bs, int64_t row_bytes,
                                   int64_t bytes) {
     for (int64_t t = 0; t < bs; t++, p += row_bytes)
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
 /* exp of each of n floats, in place, in a loop the compiler vectorizes: 2^k * exp(r) with
