@@ -295,8 +295,9 @@ class AlignedPolicy(AlignedStrictPolicy):
         - the candidate batch joins the running seqs (oldest first, as room allows) when
           one step over both is predicted no slower than a step of each
           (``mixing_pays``). Else the running batch drains first, down to ``drain_floor``
-          of the slots; then its stragglers that would not mix go back to the pool (each
-          seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
+          of the running seqs and the candidate batch; then its stragglers that would not
+          mix go back to the pool (each seq at most ``MAX_RETURNS`` times) and the
+          candidate batch takes their room.
         """
         self._begin(view.max_batch_size)
         self._last_arrival = max(self._last_arrival, max(
@@ -343,7 +344,11 @@ class AlignedPolicy(AlignedStrictPolicy):
                                    lengths=running)
         plan = plan_admissions(view, requests, [], is_strict=False,
                                accepts=self._lowers_waste, reserve=reserve, lengths=running)
-        if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
+        # NOTE: the floor is a share of the seqs at hand, not of the slots: batches cut by
+        # the model can be far narrower than the slots, and a floor of the slots would then
+        # send most of a running batch back to the pool, to rejoin later batches it pads.
+        floor = int(self.config.drain_floor * (len(view.running) + len(batch)))
+        if len(view.running) > floor:
             return plan
         return self._switch_to(view, batch, unswitched=plan)
 
