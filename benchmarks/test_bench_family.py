@@ -104,8 +104,9 @@ def sim_member(member: Member, cost: CostModel) -> dict[str, object]:
             fcfs_bubble = {"padded_per_step": b.padded_per_step,
                            "padded_share": b.padded_tokens / max(1, read),
                            "imbalance_share": b.imbalance_share}
-            prefill = sum(it.forward_time for it in result.iterations
-                          if it.instance.startswith("prefill"))
+            # the prefills' device time, which every schedule spends (here on the
+            # device that decodes too) and the bound adds to its decode time
+            prefill = sum(it.forward_time for it in result.prefill_iterations)
             tokens = s.decode_throughput * s.duration
     args = (member.workload, cost, kv["num_decode_blocks"], BLOCK_SIZE, kv["max_batch_size"])
     search = prefill + search_decode_time(*args)
