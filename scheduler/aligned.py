@@ -9,8 +9,9 @@ does not (paged attention on a CPU, split-K) it keeps batches as wide as the KV 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -28,12 +29,10 @@ from scheduler.batching import (
     plan_evictions,
     take_in_order,
 )
-from scheduler.dfs import density_first_search
 from scheduler.policy import PolicyConfig, register_policy
-from scheduler.quadtree import QuadNode
 from scheduler.step_time import GrowingStep, growing_step, mixing_pays
 
-NUM_SPLITS = 8  # cut points tried in a candidate batch (at its length-sorted eighths)
+CUT_SPAN = 8  # batches' worth of the pool that ``_cheapest_cut`` cuts (decision time)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
 SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of lengths is free
 # NOTE: latency guard. TPOT counts every wait between two tokens, and an evicted seq waits,
@@ -160,10 +159,11 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
-        """(A starving request's subtree goes first, as ``aligned-strict``.) When the whole
-        pool fits: nothing while requests are on their way to the pool on a device that also
-        decodes (``incoming``) and a spread of lengths costs; else the whole pool, unless
-        splitting it by length is predicted faster (then the part that wastes less).
+        """(A starving request's subtree goes first, as ``aligned-strict``.) Nothing while
+        requests are on their way to the pool on a device that also decodes (``incoming``),
+        the whole pool fits and a spread of lengths costs. Where it does not cost (split-K),
+        the oldest first, as fcfs takes them. Else the shortest batch of the cheapest cut of
+        the pool into batches of neighbouring lengths (``_cheapest_cut``).
 
         NOTE: where prefill and decode share a device, decoding what is pooled while the
         rest is still being prefilled spends no less of the device's time, and batches the
@@ -174,44 +174,21 @@ class AlignedPolicy(AlignedStrictPolicy):
         they wait for their second token through every prefill left, a wait P99 TPOT
         counts; so there the pool decodes at once.
 
-        Otherwise DFS, choosing among the subtrees at its first fork (a node with two or
-        more populated children) by the least ``waste`` per token instead of by the request
-        count alone; below the fork DFS descends by density. The chosen one is then split by
-        length as the whole pool is (``_whole_or_split``).
-
-        NOTE: DFS widens a subtree with too few requests by borrowing its siblings' until it
-        holds ``min_requests``, however unlike their lengths: asked for half a device's
-        slots from a pool of short and long prompts, it mixes them, and every step of that
-        batch pads the short ones to the longest. Whether the narrower part pays is the
-        model's call, not the count's: two steps over the parts against one over both."""
+        NOTE: how wide a batch should be is the model's call, not a request count's: a
+        batch asked to hold ``min_requests`` (density-first search widens a subtree by its
+        siblings until it does) mixes short and long prompts, and every step pads the short
+        ones to the longest, while a narrow one leaves a step's fixed part unshared. The cut
+        weighs both, over the whole pool."""
         self._begin(max_requests)
         root = self.tree.root
         if root.num_requests == 0:
             return []
-        if root.num_blocks <= max_blocks and root.num_requests <= max_requests:
-            if self.incoming and self.alignment_pays([1, self.config.max_len]):
-                return []  # more is coming: wait for a pool to choose from
-            return [seq_id for _, seq_id in self._whole_or_split(
-                [(length, seq_id) for length, seq_id, _ in self.tree.root.requests()])]
-        if not self.alignment_pays():
+        fits = root.num_blocks <= max_blocks and root.num_requests <= max_requests
+        if fits and self.incoming and self.alignment_pays([1, self.config.max_len]):
+            return []  # more is coming: wait for a pool to choose from
+        if not fits and not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
-        candidates = [density_first_search(self.tree, max_blocks, min_requests, max_requests)]
-        fork = self._first_fork(root, max_blocks)
-        if fork is not None:
-            candidates += [density_first_search(self.tree, max_blocks, min_requests,
-                                                max_requests, start=child)
-                           for child in fork.children
-                           if child.num_requests and child.min_blocks <= max_blocks]
-        best: list[str] = []
-        best_waste = 0.0
-        for ids in candidates:  # density's choice first: it stands unless another wastes less
-            waste = self.waste(self._lengths(ids)) if ids else 0.0
-            if ids and (not best or self._less_waste(waste, best_waste)):
-                best, best_waste = ids, waste
-        if not best:
-            return best
-        return [seq_id for _, seq_id in self._whole_or_split(
-            list(zip(self._lengths(best), best)))]
+        return self._cheapest_cut(root.requests(), max_blocks, max_requests)
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:
@@ -262,37 +239,43 @@ class AlignedPolicy(AlignedStrictPolicy):
             pays = self._pays[shortest, longest] = spread > equal * (1 + SPREAD_TOLERANCE)
         return pays
 
-    @staticmethod
-    def _first_fork(node: QuadNode, max_blocks: int) -> QuadNode | None:
-        """The first node on DFS's path with two or more children holding a request that
-        fits; None when the path reaches a leaf first."""
-        while not node.is_leaf:
-            viable = [c for c in node.children if c.num_requests and c.min_blocks <= max_blocks]
-            if len(viable) >= 2:
-                return node
-            if not viable:
-                return None
-            node = viable[0]
-        return None
+    def _cheapest_cut(self, pool: Iterable[tuple[int, str, int]], max_blocks: int,
+                      max_requests: int) -> list[str]:
+        """The first batch of the cheapest cut of ``pool`` ((length, id, blocks) in length
+        order) into batches of consecutive requests, each within ``max_blocks`` and
+        ``max_requests``: a dynamic program for the least sum of the batches' predicted
+        step times, every batch taken to run as many steps (a policy does not know how long
+        a seq will run). The same partition as sim/bound.py's search, on what a policy
+        knows.
 
-    def _whole_or_split(self, batch: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """``batch`` ((length, id) pairs) in length order, or its shorter or longer part
-        (the one that wastes less) where the model predicts that running the two parts
-        apart beats one step over all (padded attention)."""
-        ordered = sorted(batch)
-        lengths = [length for length, _ in ordered]
-        n = len(lengths)
-        cuts = sorted({n * k // NUM_SPLITS for k in range(1, NUM_SPLITS)} - {0, n})
-        best, best_time = n, self._time(lengths)
-        for cut in cuts:
-            time = self._time(lengths[:cut]) + self._time(lengths[cut:])
-            if time < best_time:
-                best, best_time = cut, time
-        if best == n:
-            return ordered
-        short, long = ordered[:best], ordered[best:]
-        wastes = [self.waste([length for length, _ in part]) for part in (long, short)]
-        return long if self._less_waste(*wastes) else short
+        NOTE: decision time. The program costs O(pool × ``max_requests``) growing steps
+        (O(1) each with the model's incremental form); only the first ``CUT_SPAN`` batches'
+        worth of the pool is cut, since the first batch is the one taken now and the rest
+        are cut again, with more requests, when their turn comes."""
+        items = list(itertools.islice(pool, CUT_SPAN * max_requests))
+        n = len(items)
+        best = [0.0] + [math.inf] * n
+        back = [0] * (n + 1)
+        for i in range(n):
+            if math.isinf(best[i]):
+                continue
+            step = growing_step(self.step_time, [], self._time)
+            held = 0
+            for j in range(i, min(n, i + max_requests)):
+                held += items[j][2]
+                if held > max_blocks:
+                    break
+                step.add(items[j][0])
+                cand = best[i] + step.time()
+                if cand < best[j + 1]:
+                    best[j + 1], back[j + 1] = cand, i
+        end = n
+        while math.isinf(best[end]) and end > 0:  # the span's last requests may not fit
+            end -= 1
+        first = end
+        while back[first] > 0:
+            first = back[first]
+        return [seq_id for _, seq_id, _ in items[:first]]
 
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
@@ -312,8 +295,9 @@ class AlignedPolicy(AlignedStrictPolicy):
         - the candidate batch joins the running seqs (oldest first, as room allows) when
           one step over both is predicted no slower than a step of each
           (``mixing_pays``). Else the running batch drains first, down to ``drain_floor``
-          of the slots; then its stragglers that would not mix go back to the pool (each
-          seq at most ``MAX_RETURNS`` times) and the candidate batch takes their room.
+          of the running seqs and the candidate batch; then its stragglers that would not
+          mix go back to the pool (each seq at most ``MAX_RETURNS`` times) and the
+          candidate batch takes their room.
         """
         self._begin(view.max_batch_size)
         self._last_arrival = max(self._last_arrival, max(
@@ -360,7 +344,11 @@ class AlignedPolicy(AlignedStrictPolicy):
                                    lengths=running)
         plan = plan_admissions(view, requests, [], is_strict=False,
                                accepts=self._lowers_waste, reserve=reserve, lengths=running)
-        if len(view.running) > int(self.config.drain_floor * view.max_batch_size):
+        # NOTE: the floor is a share of the seqs at hand, not of the slots: batches cut by
+        # the model can be far narrower than the slots, and a floor of the slots would then
+        # send most of a running batch back to the pool, to rejoin later batches it pads.
+        floor = int(self.config.drain_floor * (len(view.running) + len(batch)))
+        if len(view.running) > floor:
             return plan
         return self._switch_to(view, batch, unswitched=plan)
 

@@ -29,7 +29,8 @@ class PolicyKnobs(msgspec.Struct, frozen=True, kw_only=True):
     max_spread: float | None = 1.5  # aligned-strict: every admission keeps the running
     # batch's longest prefix within this many times its shortest (None: the paper's rules)
     drain_floor: float = 0.1  # aligned, aligned-strict: a switch waits for the old batch to
-    # drain down to this share of max_batch_size, then returns those left to the pool
+    # drain down to this share (aligned-strict: of max_batch_size; aligned: of the running
+    # seqs and the candidate batch), then returns those left to the pool
 
     def __post_init__(self) -> None:
         for name in ("min_requests", "leaf_width"):

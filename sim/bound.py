@@ -80,31 +80,68 @@ def step_times(cost: CostModel, num: np.ndarray, total: np.ndarray,
     return np.where(num > 0, times, 0.0)
 
 
+def search_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
+                       block_size: int, max_batch_size: int) -> float:
+    """The least decode time of a static schedule found by the search (module docstring)."""
+    return min(_partition(sorted(workload.requests, key=key), cost, num_blocks, block_size,
+                          max_batch_size)[0]
+               for key in (lambda r: (r.prompt_len, r.output_len),
+                           lambda r: (r.prompt_len + r.output_len, r.prompt_len)))
+
+
+def output_blind_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
+                             block_size: int, max_batch_size: int) -> float:
+    """The decode time of the search's schedule chosen without each request's output
+    length: requests sorted by prompt length alone (ties in arrival order), the partition
+    the dynamic program picks when every output is the workload's mean, then run with the
+    real outputs. Blocks are still checked at each request's final length (its
+    ``max_tokens``, which a server holds).
+
+    A policy sees only each sequence's length so far, not how long it will run; this is
+    the bound restricted to what such a policy could plan on, the prompts of the whole
+    backlog and the outputs' mean. The gap to ``search_decode_time`` is what knowing
+    each output is worth."""
+    reqs = sorted(workload.requests, key=lambda r: r.prompt_len)
+    if not reqs:
+        return 0.0
+    mean = round(sum(r.output_len for r in reqs) / len(reqs))
+    _, cuts = _partition(reqs, cost, num_blocks, block_size, max_batch_size,
+                         planned_outputs=[mean] * len(reqs))
+    return sum(_batch_time(reqs[i:j], cost) for i, j in zip(cuts, cuts[1:], strict=False))
+
+
 def _decode_lengths(req: WorkloadRequest) -> tuple[int, int]:
     """(length at its first decode step, number of decode steps): the prefill samples the
     first token, each decode step one more."""
     return req.prompt_len + 1, req.output_len - 1
 
 
-def search_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
-                       block_size: int, max_batch_size: int) -> float:
-    """The least decode time of a static schedule found by the search (module docstring)."""
-    return min(_partition(sorted(workload.requests, key=key), cost, num_blocks, block_size,
-                          max_batch_size)
-               for key in (lambda r: (r.prompt_len, r.output_len),
-                           lambda r: (r.prompt_len + r.output_len, r.prompt_len)))
+def _batch_time(reqs: Sequence[WorkloadRequest], cost: CostModel) -> float:
+    """Decode time of ``reqs`` as one batch run to completion."""
+    first, steps = (np.array(x) for x in zip(*map(_decode_lengths, reqs), strict=True))
+    k = np.arange(int(steps.max()))[:, None]
+    active = k < steps[None, :]
+    length = np.where(active, first[None, :] + k, 0)
+    return float(step_times(cost, active.sum(axis=1), length.sum(axis=1),
+                            length.max(axis=1)).sum())
 
 
 def _partition(reqs: Sequence[WorkloadRequest], cost: CostModel, num_blocks: int,
-               block_size: int, max_batch_size: int) -> float:
-    """Dynamic program: best[j] = min over i of best[i] + time(reqs[i:j] as one batch)."""
+               block_size: int, max_batch_size: int,
+               planned_outputs: Sequence[int] | None = None) -> tuple[float, list[int]]:
+    """Dynamic program: best[j] = min over i of best[i] + time(reqs[i:j] as one batch),
+    costed with ``planned_outputs`` where given (else the real ones); returns the least
+    time and the partition's cut points (0, ..., len(reqs))."""
     n = len(reqs)
+    outputs = ([r.output_len for r in reqs] if planned_outputs is None
+               else list(planned_outputs))
     first = np.array([_decode_lengths(r)[0] for r in reqs])
-    steps = np.array([_decode_lengths(r)[1] for r in reqs])
+    steps = np.array([out - 1 for out in outputs])  # as _decode_lengths
     blocks = [ceil_div(r.prompt_len + r.output_len, block_size) for r in reqs]
     horizon = int(steps.max(initial=0))
     k = np.arange(horizon)
     best = [0.0] + [math.inf] * n
+    back = [0] * (n + 1)
     for i in range(n):
         if math.isinf(best[i]):
             continue
@@ -123,8 +160,11 @@ def _partition(reqs: Sequence[WorkloadRequest], cost: CostModel, num_blocks: int
             longest = np.where(active, np.maximum(longest, length), longest)
             cand = best[i] + float(step_times(cost, num, total, longest).sum())
             if cand < best[j + 1]:
-                best[j + 1] = cand
-    return best[n]
+                best[j + 1], back[j + 1] = cand, i
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(back[cuts[-1]])
+    return best[n], cuts[::-1]
 
 
 def ideal_decode_time(workload: Workload, cost: CostModel, num_blocks: int,

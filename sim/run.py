@@ -48,6 +48,7 @@ class SimResult:
     device_busy: dict[str, float] = field(default_factory=dict)  # simulated compute seconds
     blocks_left: dict[str, int] = field(default_factory=dict)  # in use at the end, per kind
     transfers: list[TransferRecord] = field(default_factory=list)  # every KV move
+    prefill_iterations: list[IterationRecord] = field(default_factory=list)  # prefills' steps
 
     def summary(self, ttft_target: float = math.inf,
                 tpot_target: float = DEFAULT_TPOT_SLO) -> Summary:
@@ -92,6 +93,7 @@ def simulate(workload: Workload, system: str, config: ClusterConfig, cost: CostM
         policy_time=ctx.policy_time, num_loop_events=ctx.loop.num_events,
         device_busy={name: dev.busy_time for name, dev in ctx.devices.items()},
         blocks_left=ctx.kv.blocks_used(), transfers=ctx.kv.transfers,
+        prefill_iterations=ctx.life.prefill_iterations,
     )
 
 

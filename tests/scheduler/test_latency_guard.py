@@ -5,6 +5,7 @@ time."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -124,12 +125,14 @@ def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
     # The headroom kept falls linearly to none after HEADROOM_STEPS boundaries of waiting
     # (under a padded cost, where grouping pays), so 63 fit once at most 17 of the 24 are
     # held back: past 16 of the 64 boundaries, however long each step took. (Where grouping
-    # cannot pay, `aligned` keeps no headroom: it admits as fcfs does.)
+    # cannot pay, `aligned` keeps no headroom: it admits as fcfs does.) A drain floor of
+    # every seq at hand lets the switch to the staged seq happen at once.
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
     staged = SeqView("b", 1000, 63, 0.0, 2, waiting_since=0.0)
     view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2, now=1.0)
     assert blocks_to_admit(staged, BLOCK_SIZE, 1) == 63 and growth(running, BLOCK_SIZE, 1) == 0
-    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None, drain_floor=1.0),
+                        padded_step_time)
     plans = [policy.plan_boundary(view) for _ in range(waited_steps)]
     assert not any(p.admit_batch for p in plans[:min(16, waited_steps - 1)])
     assert plans[-1].admit_batch == (("b",) if admitted else ())
@@ -137,3 +140,16 @@ def test_the_headroom_shrinks_as_the_candidate_batch_waits(waited_steps: int,
     assert fifo.plan_boundary(view).admit_batch == ("b",)
     loose = get_policy("aligned-loose", PolicyConfig(starvation_threshold=None))
     assert loose.plan_boundary(view).admit_batch == ("b",)  # no headroom at all
+
+
+def test_a_running_batch_drains_before_an_unlike_batch_takes_its_place() -> None:
+    # the drain floor is a share of the seqs at hand (16 running, 1 staged), not of the
+    # 256 slots: 16 short seqs are not sent back to the pool for one long one
+    running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(16))
+    staged = SeqView("b", 1000, 63, 0.0, 2, waiting_since=0.0)
+    view = BoundaryView(running, 80, BLOCK_SIZE, 256, (), (staged,), 2, now=1.0)
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    plans = [policy.plan_boundary(view) for _ in range(aligned.HEADROOM_STEPS + 1)]
+    assert not any(p.admit_batch or p.to_pool for p in plans)
+    drained = dataclasses.replace(view, running=(), free_blocks=80 + 16 * 7)
+    assert policy.plan_boundary(drained).admit_batch == ("b",)

@@ -3,13 +3,20 @@ batch of everything, and its step times are the cost model's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from bench.workloads import Workload, WorkloadRequest
 from scheduler.cost_model import CostModel, get_geometry
 from scheduler.hardware import get_hardware
-from sim.bound import ideal_decode_time, search_decode_time, step_times
+from sim.bound import (
+    ideal_decode_time,
+    output_blind_decode_time,
+    search_decode_time,
+    step_times,
+)
 
 
 def model(kernel: str) -> CostModel:
@@ -48,3 +55,14 @@ def test_the_search_lies_between_the_floor_and_one_batch_of_everything() -> None
     assert ideal_decode_time(w, cost, 10_000, 16, 64) < search < one_batch(w, cost)
     # a decode instance too small for two long requests at once pays more
     assert search_decode_time(w, cost, 130, 16, 64) > search
+
+
+def test_the_output_blind_search_knows_only_prompts_and_pays_for_it() -> None:
+    cost, w = model("padded"), workload()
+    search = search_decode_time(w, cost, 10_000, 16, 64)
+    blind = output_blind_decode_time(w, cost, 10_000, 16, 64)
+    assert search <= blind < one_batch(w, cost)
+    # with every output alike, the outputs tell the search nothing
+    same = Workload("same", tuple(dataclasses.replace(r, output_len=22) for r in w.requests))
+    assert output_blind_decode_time(same, cost, 130, 16, 64) == pytest.approx(
+        search_decode_time(same, cost, 130, 16, 64), rel=1e-12)
