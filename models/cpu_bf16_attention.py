@@ -16,6 +16,11 @@ reads each K/V tile once for all of them), handed out to torch's own OpenMP thre
 first. A sequence may have a cached prefix (chunked prefill): its queries then sit at the
 end of its keys (bottom-right causal mask).
 
+`decode` is the same for one query per sequence over its paged KV, for grouped-query
+models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on each K row,
+p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query heads that
+share it, the next block prefetched into L2.
+
 Optional, as torch's `scaled_dot_product_attention` stays the reference: `prefill` returns
 None where the kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
 multiple of 32, no C compiler), and the caller keeps its torch path. Built and cached by
@@ -274,6 +279,168 @@ int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
     }
     return failed ? -1 : 0;
 }
+
+/* ---- decode: one query per sequence over its paged KV ---- */
+
+typedef struct {
+    const uint16_t *q;            /* [num_seqs, heads * rep, dim], sequences q_stride apart */
+    const uint16_t *k_new, *v_new;  /* this step's [num_seqs, heads, dim] K/V, or NULL */
+    int64_t q_stride, k_stride, v_stride;
+    uint16_t *k;                  /* the layer's K of block 0; V sits v_offset further */
+    int64_t v_offset, block_stride;
+    const int64_t *tables, *lens;  /* [num_seqs, width], [num_seqs] */
+    int64_t width, num_seqs, heads, rep, dim, block_size;
+    float scale;
+    uint16_t *out;                /* [num_seqs, heads * rep, dim] contiguous */
+} Decode;
+
+static inline void prefetch_rows(const uint16_t *p, int64_t n, int64_t row, int64_t bytes) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t b = 0; b < bytes; b += 64)
+            __builtin_prefetch((const char *)(p + t * row) + b, 0, 2);
+}
+
+/* acc[r] (32 floats each, heads `stride` floats apart) += the weights of NR query heads
+   (bf16 pairs: word i of w + r * wstride holds positions 2i, 2i + 1) times V rows
+   [0, n) (32 dimensions, rows `row` apart), by vdpbf16ps over pairs of rows. The rows of
+   a pair are interleaved 16 bits at a time per 128-bit lane, so acc holds dimensions in
+   the order: of each 8, the first 4 in the first 16 floats, the last 4 in the second
+   (the caller restores the order); a missing partner row (odd n) is zeros. */
+static inline __attribute__((always_inline)) void pv_block(
+        const uint16_t *v, int64_t row, int64_t n, const uint32_t *w, int64_t wstride,
+        float *acc, int64_t stride, int NR) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < NR; r++)
+        lo[r] = _mm512_loadu_ps(acc + r * stride), hi[r] = _mm512_loadu_ps(acc + r * stride + 16);
+    for (int64_t t = 0; t < n; t += 2) {
+        const __m512i a = _mm512_loadu_si512(v + t * row);
+        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * row)
+                                    : _mm512_setzero_si512();
+        const __m512bh x = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh y = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < NR; r++) {
+            const __m512bh p = bcast(w + r * wstride + t / 2);
+            lo[r] = _mm512_dpbf16_ps(lo[r], p, x), hi[r] = _mm512_dpbf16_ps(hi[r], p, y);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        _mm512_storeu_ps(acc + r * stride, lo[r]), _mm512_storeu_ps(acc + r * stride + 16, hi[r]);
+}
+
+/* KV heads [h0, h0 + g) of sequence s with their rep query heads each: scores over all
+   positions (q.k by vdpbf16ps, one 16-lane sum per (token, query head)), softmax, then p.v
+   in float32 from widened V rows. Both passes walk the block table in order, each block's
+   rows of the g heads one contiguous run, the next block prefetched. */
+static void decode_item(const Decode *job, float *scores, uint16_t *weights, float *acc,
+                        int64_t s, int64_t h0, int64_t g) {
+    const int64_t rep = job->rep, dim = job->dim, row = job->heads * dim, bs = job->block_size;
+    const int64_t len = job->lens[s], chunks = dim / 32, vecs = dim / 16, gq = g * rep;
+    const int64_t *table = job->tables + s * job->width, wlen = (len + 2) / 2 * 2;
+    uint16_t *const k0 = job->k + h0 * dim, *const v0 = k0 + job->v_offset;
+    if (job->k_new != NULL) {
+        const int64_t p = len - 1, at = table[p / bs] * job->block_stride + p % bs * row;
+        memcpy(k0 + at, job->k_new + s * job->k_stride + h0 * dim, g * dim * sizeof(uint16_t));
+        memcpy(v0 + at, job->v_new + s * job->v_stride + h0 * dim, g * dim * sizeof(uint16_t));
+    }
+    const uint16_t *q = job->q + s * job->q_stride + h0 * rep * dim;
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        const uint16_t *k = k0 + table[p0 / bs] * job->block_stride;
+        if (p0 + bs < len)
+            prefetch_rows(k0 + table[p0 / bs + 1] * job->block_stride, bs, row, g * dim * 2);
+        for (int64_t j = 0; j < gq; j++) {  /* query head j reads KV head j / rep */
+            __m512bh qv[chunks];
+            for (int64_t c = 0; c < chunks; c++)
+                qv[c] = (__m512bh)_mm512_loadu_si512(q + j * dim + c * 32);
+            const uint16_t *kh = k + j / rep * dim;
+            float *sj = scores + j * len + p0;
+            for (int64_t t = 0; t < n; t++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++)
+                    a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(
+                        kh + t * row + c * 32));
+                sj[t] = _mm512_reduce_add_ps(a) * job->scale;
+            }
+        }
+    }
+    float total[gq];
+    for (int64_t j = 0; j < gq; j++) {
+        float *sj = scores + j * len;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t p = 0; p < len; p += 16) {
+            const __mmask16 live = len - p >= 16 ? 0xffff : (1u << (len - p)) - 1;
+            top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, sj + p));
+        }
+        const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t p = 0; p < len; p += 16) {
+            const __mmask16 live = len - p >= 16 ? 0xffff : (1u << (len - p)) - 1;
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(live, sj + p), peak)));
+            _mm256_mask_storeu_epi16(weights + j * wlen + p, live,
+                                     (__m256i)_mm512_cvtneps_pbh(e));
+            sum = _mm512_add_ps(sum, e);
+        }
+        total[j] = _mm512_reduce_add_ps(sum);
+        weights[j * wlen + len] = 0;  /* the partner of an odd last position */
+        memset(acc + j * dim, 0, dim * sizeof(float));
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        const uint16_t *v = v0 + table[p0 / bs] * job->block_stride;
+        if (p0 + bs < len)
+            prefetch_rows(v0 + table[p0 / bs + 1] * job->block_stride, bs, row, g * dim * 2);
+        for (int64_t h = 0; h < g; h++)
+            for (int64_t c = 0; c < dim / 32; c++)
+                for (int64_t r = 0; r < rep; r += 4) {
+                    const int64_t j = h * rep + r, nr = rep - r < 4 ? rep - r : 4;
+                    const uint16_t *vc = v + h * dim + c * 32;
+                    const uint32_t *w = (const uint32_t *)(weights + j * wlen + p0);
+                    float *o = acc + j * dim + c * 32;
+                    if (nr == 4) pv_block(vc, row, n, w, wlen / 2, o, dim, 4);
+                    else if (nr == 3) pv_block(vc, row, n, w, wlen / 2, o, dim, 3);
+                    else if (nr == 2) pv_block(vc, row, n, w, wlen / 2, o, dim, 2);
+                    else pv_block(vc, row, n, w, wlen / 2, o, dim, 1);
+                }
+    }
+    uint16_t *out = job->out + s * job->heads * rep * dim + h0 * rep * dim;
+    for (int64_t j = 0; j < gq; j++) {
+        float flat[dim];  /* acc's lanes back in dimension order (`pv_block`) */
+        for (int64_t d = 0; d < dim; d++)
+            flat[d] = acc[j * dim + d / 32 * 32 + (d % 8 < 4 ? 0 : 16) + d % 32 / 8 * 4 + d % 4];
+        for (int64_t c = 0; c < vecs; c++)
+            _mm256_storeu_si256((__m256i *)(out + j * dim + c * 16), (__m256i)_mm512_cvtneps_pbh(
+                _mm512_mul_ps(_mm512_loadu_ps(flat + c * 16), _mm512_set1_ps(1.0f / total[j]))));
+    }
+}
+
+/* Returns 0, or -1 when scratch memory ran out (the caller falls back; the K/V writes may
+   then have happened, which the caller's own write repeats). */
+int paged_decode_bf16(const uint16_t *q, const uint16_t *k_new, const uint16_t *v_new,
+                      int64_t q_stride, int64_t k_stride, int64_t v_stride, uint16_t *k,
+                      int64_t v_offset, int64_t block_stride, const int64_t *tables,
+                      int64_t width, const int64_t *lens, int64_t num_seqs, int64_t heads,
+                      int64_t rep, int64_t dim, int64_t block_size, int64_t max_len,
+                      float scale, uint16_t *out, int num_threads) {
+    Decode job = {q, k_new, v_new, q_stride, k_stride, v_stride, k, v_offset, block_stride,
+                  tables, lens, width, num_seqs, heads, rep, dim, block_size, scale, out};
+    /* whole sequences when there are enough to share out, else one KV head per item */
+    const int64_t g = num_seqs >= 4 * (num_threads > 0 ? num_threads : 1) ? heads : 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
+    {
+        float *scores = malloc(sizeof(float) * g * rep * (max_len > 0 ? max_len : 1));
+        float *acc = malloc(sizeof(float) * g * rep * dim);
+        uint16_t *weights = malloc(sizeof(uint16_t) * g * rep * (max_len + 2));
+        failed = scores == NULL || acc == NULL || weights == NULL;
+        #pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < num_seqs * heads / g; i++)
+            if (!failed)
+                decode_item(&job, scores, weights, acc, i / (heads / g), i % (heads / g) * g, g);
+        free(scores), free(acc), free(weights);
+    }
+    return failed ? -1 : 0;
+}
 """
 
 QUERIES_PER_ITEM = 96  # query vectors (rows x heads sharing a KV head) per work item
@@ -282,15 +449,19 @@ KEY_TILE = 64  # keys per packed tile (BK above)
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                ctypes.c_float,
-                ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+    """Compiles (once per source and flags) and loads the kernels; None when it cannot."""
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32,
+                ptr, ptr, ptr, ptr, i64, i32]
     # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
     # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
-    return (cpu_kernels.build("prefill_attention", _SOURCE, argtypes, ("-fopenmp",))
-            or cpu_kernels.build("prefill_attention", _SOURCE, argtypes))
+    lib = (cpu_kernels.build("prefill_attention", _SOURCE, argtypes, ("-fopenmp",))
+           or cpu_kernels.build("prefill_attention", _SOURCE, argtypes))
+    if lib is not None:
+        lib.paged_decode_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
+                                          ptr, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+        lib.paged_decode_bf16.restype = i32
+    return lib
 
 
 def is_supported(q: Tensor) -> bool:
@@ -339,4 +510,36 @@ def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: 
         q.data_ptr(), q.stride(0), *at[:7], len(seqs), kv_heads, rep, dim, block, scale,
         out.data_ptr(), packed.data_ptr(), at[7], items_t.data_ptr(), len(items),
         torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_lens: Tensor,
+           max_seq_len: int, scale: float, new_kv: tuple[Tensor, Tensor] | None = None
+           ) -> Tensor | None:
+    """`models.cpu_attention.decode` for a bf16 cache and bf16 queries (same arguments and
+    result), q.k and p.v on the bf16 dot-product instruction (the weights rounded to bf16
+    for p.v, as in `prefill`); None where it cannot run (`is_supported`, an odd block
+    size, no memory)."""
+    _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if (kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous() or block_size % 2
+            or q.shape[1] % kv_heads or not is_supported(q)):
+        return None
+    q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
+    k_new = v_new = None
+    if new_kv is not None:
+        k_new, v_new = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
+                        for t in (x.to(torch.bfloat16) for x in new_kv))
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()  # long
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    block_elems = block_size * kv_heads * head_dim  # one K (or V) block of one layer
+    lib = _library()
+    assert lib is not None  # is_supported built it
+    status = lib.paged_decode_bf16(
+        q.data_ptr(), None if k_new is None else k_new.data_ptr(),
+        None if v_new is None else v_new.data_ptr(), q.stride(0),
+        0 if k_new is None else k_new.stride(0), 0 if v_new is None else v_new.stride(0),
+        kv_cache.data_ptr() + layer * 2 * block_elems * 2, block_elems,
+        num_layers * 2 * block_elems, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        q.shape[0], kv_heads, q.shape[1] // kv_heads, head_dim, block_size, max_seq_len, scale,
+        out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None

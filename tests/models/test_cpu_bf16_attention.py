@@ -102,3 +102,53 @@ def test_backends_use_it_for_bf16_prompts(backend: str, monkeypatch: pytest.Monk
     assert len(calls) == 1
     assert (out.double() - want).abs().max() < 3e-2
 
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 12, 64), (4, 1, 32),
+                                                        (4, 2, 128)])
+@pytest.mark.parametrize("num_seqs", [3, 20])  # one KV head per work item; whole sequences
+def test_decode_matches_float64_and_writes_the_new_kv(heads: int, kv_heads: int, dim: int,
+                                                      num_seqs: int) -> None:
+    """One query per sequence over odd and even lengths across blocks: within bf16 rounding
+    of the float64 answer, and this step's K/V land in the cache exactly as write_kv puts
+    them."""
+    torch.manual_seed(num_seqs * dim)
+    lens = [1 + (37 * i) % 150 for i in range(num_seqs)]
+    tables, num_blocks = make_block_tables(lens, 4)
+    kv_cache = make_kv_cache(num_blocks, 2, kv_heads, dim, torch.bfloat16, 4)
+    q = torch.randn(num_seqs, heads, dim).to(torch.bfloat16)
+    k_new, v_new = torch.randn(2, num_seqs, kv_heads, dim).to(torch.bfloat16)
+    meta = AttentionMetadata.build([1] * num_seqs, lens, tables, 4, "cpu")
+    want_cache = kv_cache.clone()
+    write_kv(want_cache, 1, k_new, v_new, meta.slot_mapping)
+    out = cpu_bf16_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
+                                    SCALE, (k_new, v_new))
+    assert out is not None and out.dtype == torch.bfloat16
+    assert torch.equal(kv_cache, want_cache)
+    want = dense_reference(q.double(), want_cache, 1, meta, SCALE)
+    err = (out.double() - want).abs()
+    assert err.max() < 2e-2 and err.mean() < 2e-3
+
+
+def test_grouped_bf16_decode_takes_the_bf16_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpu_attention.decode` hands grouped bf16 queries to this kernel and keeps one query
+    head per KV head (where its own kernel is the faster) for itself."""
+    from models import cpu_attention
+    calls = []
+    real = cpu_bf16_attention.decode
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_bf16_attention, "decode", counted)
+    lens = [5, 40]
+    tables, num_blocks = make_block_tables(lens, 4)
+    meta = AttentionMetadata.build([1, 1], lens, tables, 4, "cpu")
+    for heads in (6, 2):
+        kv_cache = make_kv_cache(num_blocks, 1, 2, 64, torch.bfloat16, 4)
+        q = torch.randn(2, heads, 64).to(torch.bfloat16)
+        out = cpu_attention.decode(q, kv_cache, 0, meta.block_tables, meta.seq_lens, 40, SCALE)
+        want = dense_reference(q.double(), kv_cache, 0, meta, SCALE)
+        assert out is not None and (out.double() - want).abs().max() < 2e-2
+    assert calls == [6]
