@@ -1,4 +1,4 @@
-"""Causal prompt attention in bf16 for CPUs with AVX-512 BF16, in C, compiled once on first use.
+"""Attention kernels in bf16 for CPUs with AVX-512 BF16, in C, compiled once on first use.
 
 torch's CPU flash attention runs its bf16 tiles through small GEMM calls and reaches a
 fraction of the rate of the CPU's bf16 dot-product instruction (`vdpbf16ps`: 32 bf16
@@ -11,9 +11,9 @@ stay float32; the weights are rounded to bf16 for `P V` and the output once, as 
 bf16 flash attention does.
 
 Every prompt sequence of a step goes to one call: work items are (sequence, KV head, block
-of 32 query rows) with all the query heads that share the KV head (grouped-query attention
-reads each K/V tile once for all of them), handed out to torch's own OpenMP threads longest
-first. A sequence may have a cached prefix (chunked prefill): its queries then sit at the
+of query rows, 96 query vectors in all) with all the query heads that share the KV head
+(grouped-query attention reads each K/V tile once for all of them), handed out to torch's
+own OpenMP threads longest first. A sequence may have a cached prefix (chunked prefill): its queries then sit at the
 end of its keys (bottom-right causal mask).
 
 `decode` is the same for one query per sequence over its paged KV, for grouped-query
@@ -21,8 +21,8 @@ models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on eac
 p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query heads that
 share it, the next block prefetched into L2.
 
-Optional, as torch's `scaled_dot_product_attention` stays the reference: `prefill` returns
-None where the kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
+Optional, as torch's `scaled_dot_product_attention` stays the reference: each returns
+None where its kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
 multiple of 32, no C compiler), and the caller keeps its torch path. Built and cached by
 `models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it).
 """

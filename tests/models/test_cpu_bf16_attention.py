@@ -1,6 +1,6 @@
-"""The bf16 prompt-attention kernel (`models.cpu_bf16_attention`): as accurate as torch's own bf16
-attention against a float64 reference, on every shape the models use, and used by the
-attention backends where the CPU has a native bf16 dot product."""
+"""The bf16 attention kernels (`models.cpu_bf16_attention`): prompt attention as accurate as
+torch's own bf16 attention against a float64 reference, decode within bf16 rounding of it,
+on every shape the models use, and both used where the CPU has a native bf16 dot product."""
 
 import pytest
 import torch
