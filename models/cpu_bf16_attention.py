@@ -13,8 +13,8 @@ bf16 flash attention does.
 Every prompt sequence of a step goes to one call: work items are (sequence, KV head, block
 of query rows, 96 query vectors in all) with all the query heads that share the KV head
 (grouped-query attention reads each K/V tile once for all of them), handed out to torch's
-own OpenMP threads longest first. A sequence may have a cached prefix (chunked prefill): its queries then sit at the
-end of its keys (bottom-right causal mask).
+own OpenMP threads longest first. A sequence may have a cached prefix (chunked prefill):
+its queries then sit at the end of its keys (bottom-right causal mask).
 
 `decode` is the same for one query per sequence over its paged KV, for grouped-query
 models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on each K row,
