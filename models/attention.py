@@ -182,7 +182,7 @@ class AttentionBackend(ABC):
         if meta.is_decode:
             return self._grouped_decode(q, kv_cache, layer, _index(meta, kv_cache, None), scale)
         decode_seqs: list[int] = []
-        prompts: list[tuple[int, int, int]] = []  # (first row, query count, key count)
+        prompts: list[tuple[int, int, int]] = []  # (sequence, first row, query count)
         start = 0
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if q_len == 1 and s_len > 1:
@@ -430,17 +430,16 @@ def _prefill(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, s
             return k[start:start + q_len], v[start:start + q_len]
         return gather_seq_kv(kv_cache, layer, meta.block_tables[i], meta.seq_lens_list[i])
 
-    if prompts and cpu_bf16_attention.is_supported(q):
-        seqs = [(start, q_len, meta.seq_lens_list[i], *kv_of(i, start, q_len))
-                for i, start, q_len in prompts]
+    seqs = [(start, q_len, meta.seq_lens_list[i], *kv_of(i, start, q_len))
+            for i, start, q_len in prompts]
+    if seqs and cpu_bf16_attention.is_supported(q):
         out = cpu_bf16_attention.prefill(q, seqs, scale)
         if out is not None:
             return out
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [n, heads, dim]
-    for i, start, q_len in prompts:
+    for start, q_len, s_len, k_seq, v_seq in seqs:
         rows = slice(start, start + q_len)
-        out[rows] = _prefill_one(q[rows], meta.query_lens_list[i], meta.seq_lens_list[i], scale,
-                                 *kv_of(i, start, q_len))
+        out[rows] = _prefill_one(q[rows], q_len, s_len, scale, k_seq, v_seq)
     return out
 
 
