@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,7 +69,7 @@ class Plan:
 
 GPU_PLAN = Plan("cuda", "float16", ("opt-1.3b", "opt-2.7b"), (16, 64, 256), 1024, (64, 256),
                 512, "opt-1.3b", ("triton", "triton-splitk"), 256, (32, 256), (1024, 1792),
-                (32, 96), 64, 10, 2 << 30, 90.0, 420.0, 180.0)
+                (32, 96), 64, 10, 2 << 30, 150.0, 420.0, 180.0)
 DRY_PLAN = Plan("cpu", "float32", ("opt-tiny",), (2, 4), 64, (2, 4), 32, "opt-tiny",
                 ("triton",), 16, (4, 24), (60, 100), (2, 6), 4, 2, 16 << 20, 60.0, 240.0,
                 120.0)
@@ -222,15 +222,18 @@ def _step_fns(plan: Plan, model: OPTForCausalLM, ids: torch.Tensor, positions: t
     return fns
 
 
-def engine_summaries(plan: Plan, deadline: float) -> list[Summary | str]:
-    """Each policy on a synthetic 95 %-short workload, per Triton backend (offline arrivals)."""
+def engine_summaries(plan: Plan, deadline: float, out: Path) -> list[Summary | str]:
+    """Each policy on a synthetic 95 %-short workload, per Triton backend (offline arrivals).
+    Every run's iterations go to engine_iterations.jsonl (one record per line, with its
+    system) and its wall time, engine start-up included, to stdout."""
     workload = synthetic(plan.num_requests, 0.95, plan.short_range, plan.long_range,
                          plan.output_range, seed=0)
     cfg = model_config(plan.engine_model)
     prompts = workload_prompts(workload, cfg.vocab_size, seed=0)
     sizing = size_engine(workload, cfg, plan.dtype, batch_requests=plan.batch_requests,
                          block_size=BLOCK_SIZE)
-    out: list[Summary | str] = []
+    results: list[Summary | str] = []
+    log = (out / "engine_iterations.jsonl").open("w", buffering=1)  # kept if cut short
     for backend in plan.engine_backends:
         for policy in POLICIES:
             config = EngineConfig.create(
@@ -239,22 +242,32 @@ def engine_summaries(plan: Plan, deadline: float) -> list[Summary | str]:
                 **sizing.options())
             system = f"{policy}/{backend}"
             if time.perf_counter() > deadline:
-                out.append(f"{system}: skipped, out of time")
+                results.append(f"{system}: skipped, out of time")
                 continue
+            started = time.perf_counter()
             try:
                 result = run(asyncio.wait_for(
                     run_engine(workload, prompts, config, system, realtime=False),
-                    min(plan.engine_timeout_s, deadline + 30 - time.perf_counter())))
-                out.append(result.summary())
+                    min(plan.engine_timeout_s, deadline + 30 - started)))
+                results.append(result.summary())
+                for it in result.iterations:
+                    log.write(json.dumps({"system": system, **asdict(it)}) + "\n")
             except Exception as exc:  # noqa: BLE001 -- reported as a failed row
-                out.append(f"{system}: {type(exc).__name__}: {exc}")
+                results.append(f"{system}: {type(exc).__name__}: {exc}")
+            print(f"[gpu_check] {system}: {time.perf_counter() - started:.0f} s with start-up",
+                  flush=True)
             _free(torch.device(plan.device))
-    return out
+    log.close()
+    return results
 
 
 def run_gpu_tests(plan: Plan) -> dict[str, object]:
+    """pytest -m gpu over the test files that use the mark, so a test-only package missing on
+    the GPU machine fails only the modules that import it."""
+    files = sorted(str(p) for p in Path("tests").rglob("test_*.py")
+                   if "pytest.mark.gpu" in p.read_text())
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "tests"]
+           "--continue-on-collection-errors", *files]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=plan.test_timeout_s)
     except subprocess.TimeoutExpired:
@@ -288,12 +301,12 @@ def _cell(value: object) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
 
 
-def tests_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
+def tests_section(plan: Plan, report: dict[str, object], deadline: float, out: Path) -> str:
     report["tests"] = result = run_gpu_tests(plan)
     return f"## gpu-marked tests: rc {result['rc']}\n\n```\n{result['tail']}\n```\n"
 
 
-def attention_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
+def attention_section(plan: Plan, report: dict[str, object], deadline: float, out: Path) -> str:
     bandwidth = float(report["bandwidth_bytes_per_s"])  # type: ignore[arg-type]
     rows = [r for m in plan.models for r in attention_rows(plan, m, bandwidth)]
     report["attention"] = rows
@@ -306,7 +319,7 @@ def attention_section(plan: Plan, report: dict[str, object], deadline: float) ->
     return f"## decode attention, one layer, {plan.dtype}\n\n{_table(header, cells)}"
 
 
-def steps_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
+def steps_section(plan: Plan, report: dict[str, object], deadline: float, out: Path) -> str:
     bandwidth = float(report["bandwidth_bytes_per_s"])  # type: ignore[arg-type]
     rows = [r for m in plan.models for r in step_rows(plan, m, bandwidth)]
     report["steps"] = rows
@@ -316,8 +329,8 @@ def steps_section(plan: Plan, report: dict[str, object], deadline: float) -> str
     return f"## decode step vs bandwidth floor, {plan.dtype}\n\n{_table(header, cells)}"
 
 
-def engine_section(plan: Plan, report: dict[str, object], deadline: float) -> str:
-    results = engine_summaries(plan, deadline)
+def engine_section(plan: Plan, report: dict[str, object], deadline: float, out: Path) -> str:
+    results = engine_summaries(plan, deadline, out)
     report["engine"] = [summary_row(s) if isinstance(s, Summary) else s for s in results]
     parts = [f"## engine, {plan.engine_model}, synthetic 95 % short, {plan.num_requests} "
              "requests (offline)\n"]
@@ -338,8 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every code path on tiny shapes on the CPU")
     parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    parser.add_argument("--engine-backends", default=None,
+                        help="comma-separated attention backends of the engine section")
     args = parser.parse_args(argv)
     plan = DRY_PLAN if args.cpu_dry_run else GPU_PLAN
+    if args.engine_backends:
+        plan = replace(plan, engine_backends=tuple(args.engine_backends.split(",")))
+    sections = args.sections.split(",")
+    if unknown := sorted(set(sections) - set(SECTIONS)):
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     if plan.device == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available; use --cpu-dry-run on a machine without a GPU")
     out = Path(args.out)
@@ -353,11 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# GPU check\n\n`{json.dumps(report['environment'])}`\n",
           f"## memory bandwidth (copy, read + write): {bandwidth / 1e9:.1f} GB/s\n"]
     for name, section in SECTIONS.items():
-        if (name == "tests" and args.skip_tests) or time.perf_counter() > deadline:
+        if (name not in sections or (name == "tests" and args.skip_tests)
+                or time.perf_counter() > deadline):
             skipped.append(name)
             continue
         print(f"[gpu_check] {name} at {time.perf_counter() - start:.0f} s", flush=True)
-        md.append(section(plan, report, deadline))
+        md.append(section(plan, report, deadline, out))
         _write(out, report, md)
     report["total_s"] = time.perf_counter() - start
     _write(out, report, md)

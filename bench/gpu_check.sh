@@ -2,10 +2,13 @@
 # One-command GPU check, under 8 minutes on one H200: the gpu-marked tests, then
 # opt-1.3b / opt-2.7b fp16 timings (attention backends on uniform vs skewed batches, decode
 # steps vs the memory-bandwidth floor, aligned vs fcfs vs continuous engine runs). Writes
-# gpu_check.json and gpu_check.md into $OUT, or into the directory given as the last argument.
+# gpu_check.json, gpu_check.md and engine_iterations.jsonl into $OUT, or into the directory
+# given as the last argument.
 #
 #   bash bench/gpu_check.sh                      # on the GPU machine
 #   bash bench/gpu_check.sh --cpu-dry-run /tmp/x # same code paths, tiny shapes, CPU only
+#   bash bench/gpu_check.sh --sections=tests,engine --engine-backends=triton-splitk
+#                                                # a part of it (options take `=`)
 #
 # The device machine has torch, triton, aiohttp, uvloop, sortedcontainers, safetensors,
 # tokenizers and prometheus-client, but not msgspec (nor pytest-asyncio, which the async test

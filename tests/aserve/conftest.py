@@ -8,8 +8,8 @@ import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -17,6 +17,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from aserve.engine.config import EngineConfig, ServerConfig
 from aserve.engine.engine import Engine
 from tests.conftest import make_config
+
+if TYPE_CHECKING:  # imported where used, so the GPU tests here run without the openai package
+    import openai
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -80,6 +83,8 @@ def openai_client(engine_config: EngineConfig, engine: Engine | None = None
                   ) -> Iterator[openai.OpenAI]:
     """A LiveServer of `engine_config` (or of `engine`) requiring API_KEY, and the official
     openai client on it, as a user calls it (no retries)."""
+    import openai
+
     server = LiveServer(engine_config, ServerConfig(port=0, api_key=API_KEY), engine)
     server.start()
     try:
