@@ -12,9 +12,11 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
   run, paged from an engine start-up probe of paged attention (benchmarks/data).
 - Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
   32-40 output tokens, opt-125m bf16, padded (``ASERVE_FAMILY_ATTENTION=paged``: paged),
-  each system twice: once in an order rotated from one member to the next, then in the
-  reverse of that order; the tables give the median of the two runs (and both of `aligned`'s
-  decisions: the same on every run?).
+  each system twice (``ASERVE_FAMILY_RUNS``): once in an order rotated from one member to
+  the next, then in the reverse of that order; the tables give the median of the runs (and
+  each of `aligned`'s decisions: the same on every run?). ``ASERVE_FAMILY_PICK=1,3`` runs
+  those members only (tables named after them). The engine table's simulator columns come
+  from a cost model fitted to the steps of these very runs (this machine, this engine).
 
     ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
 """
@@ -53,6 +55,9 @@ DATA = Path(__file__).resolve().parent / "data"
 SEED = int(os.environ.get("ASERVE_FAMILY_SEED", "1"))  # held out: developed on seed 0
 NUM_SIM = int(os.environ.get("ASERVE_FAMILY_SIM", "24"))
 NUM_ENGINE = int(os.environ.get("ASERVE_FAMILY_ENGINE", "6"))
+# the engine members to run, by index (default all NUM_ENGINE), e.g. "1,3" to repeat two
+PICK = os.environ.get("ASERVE_FAMILY_PICK", "")
+RUNS = int(os.environ.get("ASERVE_FAMILY_RUNS", "2"))  # engine runs per system, alternating
 ATTENTION = os.environ.get("ASERVE_FAMILY_ATTENTION", "padded")  # the engine runs' backend
 SYSTEMS = ("aligned", "fcfs", "continuous", "aligned-loose")
 MODEL, DTYPE, BLOCK_SIZE, MAX_LEN = "opt-125m", "bfloat16", 16, 2040
@@ -188,9 +193,9 @@ def test_family_in_the_simulator() -> None:
 
 def engine_member(member: Member, first: int = 0, warm_up: bool = False,
                   model: str = MODEL, systems: tuple[str, ...] = SYSTEMS) -> dict[str, object]:
-    """Each system on ``member`` through the engine twice: in ``systems`` order rotated by
-    ``first``, then in the reverse of that order; after one run left out, with ``warm_up``
-    (first-call costs)."""
+    """Each system on ``member`` through the engine RUNS times: in ``systems`` order rotated
+    by ``first``, then in the reverse of that order, and so on; after one run left out, with
+    ``warm_up`` (first-call costs)."""
     from bench.bench_cli import BenchSettings, rotated, run_system
     from bench.harness import Sizing, model_config, workload_prompts
 
@@ -203,8 +208,12 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     if warm_up:
         run_system(order[0], member.workload, prompts, sizing, settings, None)
-    for name in [*order, *reversed(order)]:
+    records: list[Record] = []
+    for name in [n for k in range(RUNS) for n in (order if k % 2 == 0 else order[::-1])]:
         result = run_system(name, member.workload, prompts, sizing, settings, None)
+        if not name.startswith("continuous/"):  # colocated steps: prompts mixed into decodes
+            records += [dataclasses.asdict(it)
+                        for it in (*result.iterations, *result.prefill_iterations)]
         s = result.summary()
         steps = decode_steps(result.iterations)
         runs[name.split("/")[0]].append({
@@ -214,7 +223,18 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
                                  for it in steps),
             "real_tokens": sum(sum(it.lengths) for it in steps),
             "forward_s": sum(it.forward_time for it in steps), "load": os.getloadavg()[0]})
-    return {"member": member.name, "describe": member.describe(), "runs": runs, **kv}
+    return {"member": member.name, "describe": member.describe(), "runs": runs,
+            "records": records, **kv}
+
+
+def run_cost(cells: list[dict[str, object]], kernel: str) -> tuple[CostModel, float]:
+    """The simulator's cost model fitted to the engine's own steps (decode and prefill) in
+    ``cells``' runs on this machine, and its median relative error over them."""
+    records: list[Record] = [r for c in cells for r in c["records"]]  # type: ignore[attr-defined]
+    calibration = fit(records, MODEL, "cpu", kernel, 2)  # type: ignore[arg-type]
+    hw = dataclasses.replace(get_hardware("cpu"), dtype_bytes=2)
+    model = CostModel(get_geometry(MODEL), hw, calibration.params, kernel)  # type: ignore[arg-type]
+    return model, calibration.median_rel_error
 
 
 def engine_markdown(cells: list[dict[str, object]], members: list[Member]) -> str:
@@ -259,22 +279,31 @@ def test_family_on_the_engine() -> None:
                             output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
     RESULTS.mkdir(exist_ok=True)
     name = "family_engine" if ATTENTION == "padded" else f"family_engine_{ATTENTION}"
+    name += f"_members{PICK.replace(',', '-')}" if PICK else ""
     out = RESULTS / f"{name}.jsonl"
     out.write_text("")
-    cost = cpu_cost("padded" if ATTENTION == "padded" else "split-k")
+    picked = [int(i) for i in PICK.split(",")] if PICK else list(range(len(members)))
+    members = [members[i] for i in picked]
     cells = []
-    for i, member in enumerate(members):
-        cell = engine_member(member, first=i, warm_up=i == 0)
-        cell["sim"] = sim_member(member, cost)
+    for i, member in zip(picked, members, strict=True):
+        cell = engine_member(member, first=i, warm_up=member is members[0])
         cells.append(cell)
-        with out.open("a") as f:
-            f.write(json.dumps(cell, default=str) + "\n")
         runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
         print(member.name, member.describe(),
               {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()},
               "aligned steps", [r["decode_steps"] for r in runs["aligned"]], flush=True)
+    # NOTE: the bound and the prediction come from a simulator calibrated on these runs'
+    # own steps, so that they price this machine and this engine as they are now.
+    cost, error = run_cost(cells, "padded" if ATTENTION == "padded" else "split-k")
+    for cell, member in zip(cells, members, strict=True):
+        cell["sim"] = sim_member(member, cost)
+        with out.open("a") as f:
+            f.write(json.dumps({k: v for k, v in cell.items() if k != "records"},
+                               default=str) + "\n")
     text = engine_markdown(cells, members)
-    (RESULTS / f"{name}.md").write_text(f"seed {SEED}, {ATTENTION} attention\n\n{text}")
+    (RESULTS / f"{name}.md").write_text(
+        f"seed {SEED}, {ATTENTION} attention; simulator calibrated on these runs' steps "
+        f"(median error {error:.1%})\n\n{text}")
     print(text)
 
 
