@@ -26,7 +26,7 @@ import torch
 from aserve.engine.config import EngineConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.entrypoints.offline import run
-from bench.harness import model_config, run_engine, size_engine, workload_prompts
+from bench.harness import RunResult, model_config, run_engine, size_engine, workload_prompts
 from bench.metrics import Summary
 from bench.report import markdown_table, summary_row
 from bench.workloads import synthetic
@@ -222,10 +222,33 @@ def _step_fns(plan: Plan, model: OPTForCausalLM, ids: torch.Tensor, positions: t
     return fns
 
 
-def engine_summaries(plan: Plan, deadline: float, out: Path) -> list[Summary | str]:
+def path_row(result: RunResult) -> dict[str, object]:
+    """Where one run's time went: the share of its wall time the decode and prefill steps
+    computed, and per request the median seconds from arrival to prefill, of the prefill,
+    and from the prefill's end to the first decode step (the hand-off through the pool)."""
+    times: dict[str, dict[str, float]] = {}
+    for event in result.events:
+        times.setdefault(event.seq_id, {}).setdefault(event.kind, event.time)
+
+    def median_gap(a: str, b: str) -> float:
+        gaps = [t[b] - t[a] for t in times.values() if a in t and b in t]
+        return statistics.median(gaps) if gaps else math.nan
+
+    wall = result.wall_time
+    return dict(system=result.system, wall_s=wall,
+                decode_busy=sum(it.forward_time for it in result.iterations) / wall,
+                prefill_busy=sum(it.forward_time for it in result.prefill_iterations) / wall,
+                queue_s=median_gap("arrival", "prefill_start"),
+                prefill_s=median_gap("prefill_start", "prefill_end"),
+                handoff_s=median_gap("prefill_end", "decode_start"))
+
+
+def engine_summaries(plan: Plan, deadline: float, out: Path
+                     ) -> tuple[list[Summary | str], list[dict[str, object]]]:
     """Each policy on a synthetic 95 %-short workload, per Triton backend (offline arrivals).
-    Every run's iterations go to engine_iterations.jsonl (one record per line, with its
-    system) and its wall time, engine start-up included, to stdout."""
+    Every run's decode and prefill iterations and its lifecycle events other than tokens go
+    to engine_iterations.jsonl (one per line, with its system), and its wall time, engine
+    start-up included, to stdout."""
     workload = synthetic(plan.num_requests, 0.95, plan.short_range, plan.long_range,
                          plan.output_range, seed=0)
     cfg = model_config(plan.engine_model)
@@ -233,6 +256,7 @@ def engine_summaries(plan: Plan, deadline: float, out: Path) -> list[Summary | s
     sizing = size_engine(workload, cfg, plan.dtype, batch_requests=plan.batch_requests,
                          block_size=BLOCK_SIZE)
     results: list[Summary | str] = []
+    paths: list[dict[str, object]] = []
     log = (out / "engine_iterations.jsonl").open("w", buffering=1)  # kept if cut short
     for backend in plan.engine_backends:
         for policy in POLICIES:
@@ -250,15 +274,19 @@ def engine_summaries(plan: Plan, deadline: float, out: Path) -> list[Summary | s
                     run_engine(workload, prompts, config, system, realtime=False),
                     min(plan.engine_timeout_s, deadline + 30 - started)))
                 results.append(result.summary())
-                for it in result.iterations:
+                paths.append(path_row(result))
+                for it in (*result.iterations, *result.prefill_iterations):
                     log.write(json.dumps({"system": system, **asdict(it)}) + "\n")
+                for event in result.events:  # each request's path: prefill, pool, decode
+                    if event.kind != "token":
+                        log.write(json.dumps({"system": system, **asdict(event)}) + "\n")
             except Exception as exc:  # noqa: BLE001 -- reported as a failed row
                 results.append(f"{system}: {type(exc).__name__}: {exc}")
             print(f"[gpu_check] {system}: {time.perf_counter() - started:.0f} s with start-up",
                   flush=True)
             _free(torch.device(plan.device))
     log.close()
-    return results
+    return results, paths
 
 
 def run_gpu_tests(plan: Plan) -> dict[str, object]:
@@ -330,14 +358,20 @@ def steps_section(plan: Plan, report: dict[str, object], deadline: float, out: P
 
 
 def engine_section(plan: Plan, report: dict[str, object], deadline: float, out: Path) -> str:
-    results = engine_summaries(plan, deadline, out)
+    results, paths = engine_summaries(plan, deadline, out)
     report["engine"] = [summary_row(s) if isinstance(s, Summary) else s for s in results]
+    report["engine_paths"] = paths
     parts = [f"## engine, {plan.engine_model}, synthetic 95 % short, {plan.num_requests} "
              "requests (offline)\n"]
     for backend in plan.engine_backends:
         done = [s for s in results if isinstance(s, Summary) and s.system.endswith(backend)]
         base = f"fcfs/{backend}" if any(s.system == f"fcfs/{backend}" for s in done) else None
         parts += [markdown_table(done, baseline=base)] if done else []
+    header = ["system", "wall s", "decode busy", "prefill busy", "queue s (median)",
+              "prefill s", "prefill end to decode s"]
+    cells = [[p["system"], p["wall_s"], p["decode_busy"], p["prefill_busy"], p["queue_s"],
+              p["prefill_s"], p["handoff_s"]] for p in paths]
+    parts.append(f"### where the time went\n\n{_table(header, cells)}")
     return "\n".join(parts + [f"- failed: {s}\n" for s in results if isinstance(s, str)])
 
 
