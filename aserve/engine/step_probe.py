@@ -30,6 +30,7 @@ import torch
 
 from aserve.engine.runner import ModelRunner, WorkItem
 from aserve.engine.sequence import IterationRecord
+from models import cpu_isa
 from models.backends import ATTENTION_KERNELS
 from models.llama import LlamaConfig
 from models.opt import OPTConfig
@@ -75,14 +76,19 @@ def cache_dir() -> Path | None:
 
 
 def machine(device: str) -> dict[str, object]:
-    """What the step times of ``device`` depend on besides the model: the processor, the
-    threads torch uses, torch's version."""
+    """What the step times of ``device`` depend on besides the model: the processor (on a
+    CPU with the instruction sets its kernels use: one model name can cover CPUs with and
+    without AVX-512), the threads torch uses, torch's version and this package's."""
+    from aserve import __version__
+
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
     else:
         name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                      if line.startswith("model name")), platform.processor() or "cpu")
-    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__}
+        name = f"{name}, {cpu_isa.describe()}"
+    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "aserve": __version__}
 
 
 def _cpuinfo() -> str:

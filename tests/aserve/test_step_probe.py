@@ -67,3 +67,15 @@ def test_the_fit_is_cached_per_machine_and_probe(tmp_path) -> None:  # type: ign
     assert other.source == "probe" and len(list(tmp_path.iterdir())) == 2
     uncached = EngineStepCost(OPTConfig(), "padded", "cpu", 2, slower, None)
     assert uncached.source == "probe" and uncached.model.params != first.model.params
+
+
+def test_the_cache_key_names_the_instruction_sets_and_the_version() -> None:
+    """Two CPUs of one model name, with and without AVX-512, or two releases of this
+    package, run different kernels: their step times must not share a calibration."""
+    import aserve
+    from aserve.engine.step_probe import machine
+    from models import cpu_isa
+
+    key = machine("cpu")
+    assert cpu_isa.detect().level in str(key["device"])
+    assert key["aserve"] == aserve.__version__
