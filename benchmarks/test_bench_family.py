@@ -313,13 +313,17 @@ def test_family_on_the_engine_smollm2() -> None:
     and continuous, as the OPT runs."""
     count = int(os.environ.get("ASERVE_FAMILY_SMOLLM2", "3"))
     members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
-                            output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)[:count]
+                            output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
+    picked = [int(i) for i in PICK.split(",")] if PICK else list(range(count))
+    members = [members[i] for i in picked]
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "family_engine_smollm2.jsonl"
+    name = "family_engine_smollm2" + (f"_members{PICK.replace(',', '-')}" if PICK else "")
+    out = RESULTS / f"{name}.jsonl"
     out.write_text("")
     cells = []
-    for i, member in enumerate(members):
-        cell = engine_member(member, first=i, warm_up=i == 0, model="smollm2-135m-instruct",
+    for i, member in zip(picked, members, strict=True):
+        cell = engine_member(member, first=i, warm_up=member is members[0],
+                             model="smollm2-135m-instruct",
                              systems=("aligned", "fcfs", "continuous"))
         del cell["records"]
         with out.open("a") as f:
@@ -329,7 +333,7 @@ def test_family_on_the_engine_smollm2() -> None:
         print(member.name, member.describe(),
               {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()}, flush=True)
     text = engine_markdown(cells, members)
-    (RESULTS / "family_engine_smollm2.md").write_text(f"seed {SEED}, padded attention\n\n{text}")
+    (RESULTS / f"{name}.md").write_text(f"seed {SEED}, padded attention\n\n{text}")
     print(text)
 
 
