@@ -21,10 +21,7 @@ from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
     SeqView,
-    blocks_needed,
-    blocks_to_admit,
     by_arrival,
-    by_length_desc,
     ceil_div,
     growth,
     oldest_wait,
@@ -320,7 +317,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         # in length first, past one that does not fit yet (``aligned-loose``'s rules).
         if not self.alignment_pays([*running, *(s.length for s in (
                 *view.candidate_requests, *view.candidate_batch))]):
-            return self._swap_in_stalled(view, waited) or super().plan_boundary(view)
+            return super().plan_boundary(view)
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
@@ -381,38 +378,6 @@ class AlignedPolicy(AlignedStrictPolicy):
             self._waits = {k: v for k, v in self._waits.items()
                            if self._tick - v[2] <= WAITS_KEPT}
         return counts
-
-    def _swap_in_stalled(self, view: BoundaryView,
-                         waited: dict[tuple[str, object], int]) -> BoundaryPlan | None:
-        """Where a step costs its total work, at the end of a backlog (nothing pooled, none
-        on its way): a candidate request stalled beyond ``STALL_STEPS`` boundaries goes
-        first, and where it does not fit, the longest running seqs make room for it (they
-        wait in its place). None: ``aligned-loose``'s rules apply.
-
-        NOTE: the makespan's tail. With nothing left to arrive, a seq evicted for room waits
-        until others finish, then decodes the rest of its output after every other seq has
-        ended, alone or nearly, a step's fixed part per token. Swapping it in for the
-        longest running seqs (the fewest out for its room) shares that wait among them, so
-        the seqs end together. While the pool still holds requests the room it frees is
-        refilled from the pool and the seq rejoins mid-run; and where a spread of lengths
-        costs (padded), the stall bound already orders admissions."""
-        if len(self.tree) or self.incoming or self.alignment_pays([1, self.config.max_len]):
-            return None
-        stalled = self._stalled(view, waited)
-        if not stalled or plan_evictions(view, lambda: self._victims(view)):
-            return None
-        size = view.block_size
-        short = (growth(view.running, size, ADMIT_LOOKAHEAD) - view.free_blocks
-                 + blocks_to_admit(stalled[0], size, ADMIT_LOOKAHEAD))
-        if short <= 0 and len(view.running) < view.max_batch_size:
-            return plan_admissions(view, stalled, [], is_strict=True)
-        out: list[str] = []
-        for seq in by_length_desc(view.running):
-            if short <= 0 and len(view.running) - len(out) < view.max_batch_size:
-                return BoundaryPlan(evict=tuple(out))
-            out.append(seq.seq_id)
-            short -= seq.num_blocks + blocks_needed(seq, size, ADMIT_LOOKAHEAD)
-        return BoundaryPlan(evict=tuple(out)) if short <= 0 else None
 
     @staticmethod
     def _stalled(view: BoundaryView, waited: dict[tuple[str, object], int]) -> list[SeqView]:

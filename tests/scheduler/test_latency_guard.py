@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from scheduler import BoundaryView, Policy, PolicyConfig, SeqView, aligned, get_policy
+from scheduler import BoundaryView, PolicyConfig, SeqView, aligned, get_policy
 from scheduler.batching import blocks_to_admit, growth
 
 BLOCK_SIZE = 16
@@ -153,42 +153,3 @@ def test_a_running_batch_drains_before_an_unlike_batch_takes_its_place() -> None
     assert not any(p.admit_batch or p.to_pool for p in plans)
     drained = dataclasses.replace(view, running=(), free_blocks=80 + 16 * 7)
     assert policy.plan_boundary(drained).admit_batch == ("b",)
-
-
-def total_work_step_time(lengths: Sequence[int]) -> float:
-    """A split-K backend's step: a fixed part, a part per seq and one per KV token (any
-    spread of lengths costs nothing)."""
-    return 0.05 + 2e-3 * len(lengths) + 1e-6 * sum(lengths)
-
-
-def _tail_view(pooled: bool = False) -> tuple[Policy, BoundaryView]:
-    """Four running seqs hold the blocks; a seq evicted earlier waits for 19 of them with 5
-    free: the end of a backlog (nothing pooled, none incoming) unless ``pooled``."""
-    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None),
-                        total_work_step_time)
-    if pooled:
-        policy.add(SeqView("pooled", 100, 7, 0.0))
-    running = tuple(SeqView(f"r{i}", 200 + 10 * i, b, 0.0, 1)
-                    for i, b in enumerate((13, 14, 14, 15)))
-    stalled = SeqView("stalled", 300, 19, 0.0, 1, waiting_since=0.0)
-    return policy, BoundaryView(running, 5, BLOCK_SIZE, 64, (stalled,), (), 1, now=1.0)
-
-
-def test_at_the_end_of_a_backlog_a_stalled_seq_swaps_in_for_the_longest() -> None:
-    # where a step costs its total work, a seq left waiting for room until the others end
-    # decodes the rest of its output alone: after the stall bound it takes the longest
-    # running seq's room, and is admitted before that seq at the next boundary
-    policy, view = _tail_view()
-    plans = [policy.plan_boundary(view) for _ in range(aligned.STALL_STEPS + 1)]
-    assert not any(p.evict or p.admit_requests for p in plans[:-1])
-    assert plans[-1].evict == ("r3",)  # 15 blocks: with the 5 free, room for its 19
-    evicted = SeqView("r3", 230, 15, 0.0, 1, waiting_since=1.0)
-    after = dataclasses.replace(view, running=view.running[:3], free_blocks=20,
-                                candidate_requests=(*view.candidate_requests, evicted))
-    assert policy.plan_boundary(after).admit_requests == ("stalled",)
-
-
-def test_while_the_pool_holds_requests_a_stalled_seq_waits_for_room() -> None:
-    policy, view = _tail_view(pooled=True)
-    plans = [policy.plan_boundary(view) for _ in range(aligned.STALL_STEPS + 2)]
-    assert not any(p.evict or p.admit_requests for p in plans)
