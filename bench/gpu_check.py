@@ -20,11 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from aserve.engine.config import EngineConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
+from aserve.engine.sequence import Event, IterationRecord
 from aserve.entrypoints.offline import run
 from bench.harness import RunResult, model_config, run_engine, size_engine, workload_prompts
 from bench.metrics import Summary
@@ -257,36 +259,40 @@ def engine_summaries(plan: Plan, deadline: float, out: Path
                          block_size=BLOCK_SIZE)
     results: list[Summary | str] = []
     paths: list[dict[str, object]] = []
-    log = (out / "engine_iterations.jsonl").open("w", buffering=1)  # kept if cut short
-    for backend in plan.engine_backends:
-        for policy in POLICIES:
-            config = EngineConfig.create(
-                model=plan.engine_model, dtype=plan.dtype, attention=backend, policy=policy,
-                prefill_devices=plan.device, decode_devices=plan.device, trace_limit=None,
-                **sizing.options())
-            system = f"{policy}/{backend}"
-            if time.perf_counter() > deadline:
-                results.append(f"{system}: skipped, out of time")
-                continue
-            started = time.perf_counter()
-            try:
-                result = run(asyncio.wait_for(
-                    run_engine(workload, prompts, config, system, realtime=False),
-                    min(plan.engine_timeout_s, deadline + 30 - started)))
-                results.append(result.summary())
-                paths.append(path_row(result))
-                for it in (*result.iterations, *result.prefill_iterations):
-                    log.write(json.dumps({"system": system, **asdict(it)}) + "\n")
-                for event in result.events:  # each request's path: prefill, pool, decode
-                    if event.kind != "token":
-                        log.write(json.dumps({"system": system, **asdict(event)}) + "\n")
-            except Exception as exc:  # noqa: BLE001 -- reported as a failed row
-                results.append(f"{system}: {type(exc).__name__}: {exc}")
-            print(f"[gpu_check] {system}: {time.perf_counter() - started:.0f} s with start-up",
-                  flush=True)
-            _free(torch.device(plan.device))
-    log.close()
+    with (out / "engine_iterations.jsonl").open("w", buffering=1) as log:  # kept if cut short
+        for backend in plan.engine_backends:
+            for policy in POLICIES:
+                system = f"{policy}/{backend}"
+                if time.perf_counter() > deadline:
+                    results.append(f"{system}: skipped, out of time")
+                    continue
+                config = EngineConfig.create(
+                    model=plan.engine_model, dtype=plan.dtype, attention=backend,
+                    policy=policy, prefill_devices=plan.device, decode_devices=plan.device,
+                    trace_limit=None, **sizing.options())
+                started = time.perf_counter()
+                try:
+                    result = run(asyncio.wait_for(
+                        run_engine(workload, prompts, config, system, realtime=False),
+                        min(plan.engine_timeout_s, deadline + 30 - started)))
+                    results.append(result.summary())
+                    paths.append(path_row(result))
+                    _log_run(log, system, result)
+                except Exception as exc:  # noqa: BLE001 -- reported as a failed row
+                    results.append(f"{system}: {type(exc).__name__}: {exc}")
+                print(f"[gpu_check] {system}: {time.perf_counter() - started:.0f} s with "
+                      "start-up", flush=True)
+                _free(torch.device(plan.device))
     return results, paths
+
+
+def _log_run(log: IO[str], system: str, result: RunResult) -> None:
+    """One JSON line per decode and prefill step of ``result``, then per lifecycle event
+    other than a token (each request's path through prefill, pool and decode)."""
+    items: list[IterationRecord | Event] = [
+        *result.iterations, *result.prefill_iterations,
+        *(e for e in result.events if e.kind != "token")]
+    log.writelines(json.dumps({"system": system, **asdict(item)}) + "\n" for item in items)
 
 
 def run_gpu_tests(plan: Plan) -> dict[str, object]:

@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,17 @@ def cpu_cost(kernel: str) -> CostModel:
             if "continuous" not in path.name:  # colocated steps mix prompts in
                 records += load_records(path)[1]
     else:
-        records = load_records(PAGED_PROBE)[1]
+        records += load_records(PAGED_PROBE)[1]
+    return fitted_cost(records, kernel)[0]
+
+
+def fitted_cost(records: Sequence[Record], kernel: str) -> tuple[CostModel, float]:
+    """The CPU cost model of opt-125m (bf16) for ``kernel`` fitted to ``records``, and the
+    fit's median relative error over them."""
     calibration = fit(records, MODEL, "cpu", kernel, 2)  # type: ignore[arg-type]
     hw = dataclasses.replace(get_hardware("cpu"), dtype_bytes=2)
-    return CostModel(get_geometry(MODEL), hw, calibration.params, kernel)  # type: ignore[arg-type]
+    model = CostModel(get_geometry(MODEL), hw, calibration.params, kernel)  # type: ignore[arg-type]
+    return model, calibration.median_rel_error
 
 
 def sizes(member: Member) -> dict[str, int]:
@@ -227,16 +235,6 @@ def engine_member(member: Member, first: int = 0, warm_up: bool = False,
             "records": records, **kv}
 
 
-def run_cost(cells: list[dict[str, object]], kernel: str) -> tuple[CostModel, float]:
-    """The simulator's cost model fitted to the engine's own steps (decode and prefill) in
-    ``cells``' runs on this machine, and its median relative error over them."""
-    records: list[Record] = [r for c in cells for r in c["records"]]  # type: ignore[attr-defined]
-    calibration = fit(records, MODEL, "cpu", kernel, 2)  # type: ignore[arg-type]
-    hw = dataclasses.replace(get_hardware("cpu"), dtype_bytes=2)
-    model = CostModel(get_geometry(MODEL), hw, calibration.params, kernel)  # type: ignore[arg-type]
-    return model, calibration.median_rel_error
-
-
 def engine_markdown(cells: list[dict[str, object]], members: list[Member]) -> str:
     """The engine table: per member and system the median of its runs (tok/s), `aligned`
     against the better of fcfs and continuous and against fcfs, P99 TPOT, `aligned`'s
@@ -274,67 +272,67 @@ def engine_markdown(cells: list[dict[str, object]], members: list[Member]) -> st
     return "\n".join(lines) + "\n"
 
 
-def test_family_on_the_engine() -> None:
+def run_engine_family(name: str, picked: list[int], model: str, systems: tuple[str, ...]
+                      ) -> tuple[list[dict[str, object]], list[Member]]:
+    """``engine_member`` on the members ``picked`` (by index), printing each as it ends; the
+    cells keep their steps ("records") for ``fitted_cost``. Writes nothing."""
     members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
                             output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
-    RESULTS.mkdir(exist_ok=True)
-    name = "family_engine" if ATTENTION == "padded" else f"family_engine_{ATTENTION}"
-    name += f"_members{PICK.replace(',', '-')}" if PICK else ""
-    out = RESULTS / f"{name}.jsonl"
-    out.write_text("")
-    picked = [int(i) for i in PICK.split(",")] if PICK else list(range(len(members)))
     members = [members[i] for i in picked]
     cells = []
     for i, member in zip(picked, members, strict=True):
-        cell = engine_member(member, first=i, warm_up=member is members[0])
+        cell = engine_member(member, first=i, warm_up=member is members[0], model=model,
+                             systems=systems)
         cells.append(cell)
         runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
-        print(member.name, member.describe(),
-              {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()},
-              "aligned steps", [r["decode_steps"] for r in runs["aligned"]], flush=True)
+        print(name, member.name, member.describe(),
+              {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()}, flush=True)
+    return cells, members
+
+
+def write_engine_family(name: str, header: str, cells: list[dict[str, object]],
+                        members: list[Member]) -> None:
+    """``name``.jsonl (the cells without their steps) and ``name``.md (the table)."""
+    RESULTS.mkdir(exist_ok=True)
+    lines = [json.dumps({k: v for k, v in c.items() if k != "records"}, default=str)
+             for c in cells]
+    (RESULTS / f"{name}.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    text = engine_markdown(cells, members)
+    (RESULTS / f"{name}.md").write_text(f"{header}\n\n{text}")
+    print(text)
+
+
+def picked_members(default: int) -> tuple[list[int], str]:
+    """The members to run (``ASERVE_FAMILY_PICK``, else the first ``default``) and the
+    suffix that names their tables."""
+    if not PICK:
+        return list(range(default)), ""
+    return [int(i) for i in PICK.split(",")], f"_members{PICK.replace(',', '-')}"
+
+
+def test_family_on_the_engine() -> None:
+    picked, suffix = picked_members(NUM_ENGINE)
+    name = ("family_engine" if ATTENTION == "padded" else f"family_engine_{ATTENTION}") + suffix
+    cells, members = run_engine_family(name, picked, MODEL, SYSTEMS)
     # NOTE: the bound and the prediction come from a simulator calibrated on these runs'
     # own steps, so that they price this machine and this engine as they are now.
-    cost, error = run_cost(cells, "padded" if ATTENTION == "padded" else "split-k")
+    records: list[Record] = [r for c in cells for r in c["records"]]  # type: ignore[attr-defined]
+    cost, error = fitted_cost(records, "padded" if ATTENTION == "padded" else "split-k")
     for cell, member in zip(cells, members, strict=True):
         cell["sim"] = sim_member(member, cost)
-        with out.open("a") as f:
-            f.write(json.dumps({k: v for k, v in cell.items() if k != "records"},
-                               default=str) + "\n")
-    text = engine_markdown(cells, members)
-    (RESULTS / f"{name}.md").write_text(
-        f"seed {SEED}, {ATTENTION} attention; simulator calibrated on these runs' steps "
-        f"(median error {error:.1%})\n\n{text}")
-    print(text)
+    write_engine_family(name, f"seed {SEED}, {ATTENTION} attention; simulator calibrated on "
+                        f"these runs' steps (median error {error:.1%})", cells, members)
 
 
 def test_family_on_the_engine_smollm2() -> None:
     """The real SmolLM2-135M-Instruct (grouped-query attention: its KV is a third of the
     query heads' size) on the first ``ASERVE_FAMILY_SMOLLM2`` engine members: aligned, fcfs
     and continuous, as the OPT runs."""
-    count = int(os.environ.get("ASERVE_FAMILY_SMOLLM2", "3"))
-    members = sample_family(NUM_ENGINE, SEED, num_requests=ENGINE_REQUESTS,
-                            output_tokens=ENGINE_OUTPUTS, max_len=MAX_LEN)
-    picked = [int(i) for i in PICK.split(",")] if PICK else list(range(count))
-    members = [members[i] for i in picked]
-    RESULTS.mkdir(exist_ok=True)
-    name = "family_engine_smollm2" + (f"_members{PICK.replace(',', '-')}" if PICK else "")
-    out = RESULTS / f"{name}.jsonl"
-    out.write_text("")
-    cells = []
-    for i, member in zip(picked, members, strict=True):
-        cell = engine_member(member, first=i, warm_up=member is members[0],
-                             model="smollm2-135m-instruct",
-                             systems=("aligned", "fcfs", "continuous"))
-        del cell["records"]
-        with out.open("a") as f:
-            f.write(json.dumps(cell, default=str) + "\n")
-        cells.append(cell)
-        runs: dict[str, list[dict[str, float]]] = cell["runs"]  # type: ignore[assignment]
-        print(member.name, member.describe(),
-              {s: [round(r["tok_s"], 1) for r in rs] for s, rs in runs.items()}, flush=True)
-    text = engine_markdown(cells, members)
-    (RESULTS / f"{name}.md").write_text(f"seed {SEED}, padded attention\n\n{text}")
-    print(text)
+    picked, suffix = picked_members(int(os.environ.get("ASERVE_FAMILY_SMOLLM2", "3")))
+    name = f"family_engine_smollm2{suffix}"
+    cells, members = run_engine_family(name, picked, "smollm2-135m-instruct",
+                                       ("aligned", "fcfs", "continuous"))
+    write_engine_family(name, f"seed {SEED}, padded attention", cells, members)
 
 
 def test_workload_names_stay_unique_across_members() -> None:

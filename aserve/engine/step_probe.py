@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from aserve import __version__
 from aserve.engine.runner import ModelRunner, WorkItem
 from aserve.engine.sequence import IterationRecord
 from models import cpu_isa
@@ -79,8 +80,6 @@ def machine(device: str) -> dict[str, object]:
     """What the step times of ``device`` depend on besides the model: the processor (on a
     CPU with the instruction sets its kernels use: one model name can cover CPUs with and
     without AVX-512), the threads torch uses, torch's version and this package's."""
-    from aserve import __version__
-
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
     else:
