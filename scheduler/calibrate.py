@@ -105,7 +105,8 @@ def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
     cannot tell it from a per-seq cost (aserve/engine/step_probe.py).
 
     Raises:
-        ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1).
+        ValueError: with fewer than 3 usable records (forward_time > 0, batch_size >= 1,
+            not fused).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
@@ -113,7 +114,9 @@ def fit(records: Sequence[Record], model: str | ModelGeometry = "opt-125m",
     hw = replace(hw, dtype_bytes=dtype_bytes) if dtype_bytes else hw
     geometry = get_geometry(model) if isinstance(model, str) else model
     nominal = CostModel(geometry, hw, _NOMINAL, kernel)
-    rows = [r for r in records if _float(r, "forward_time") > 0 and _int(r, "batch_size") >= 1]
+    # NOTE: a fused record's time is a forward over another instance's step as well
+    rows = [r for r in records if _float(r, "forward_time") > 0 and _int(r, "batch_size") >= 1
+            and not r.get("fused", False)]
     if len(rows) < 3:
         raise ValueError(f"records ({len(rows)} usable) must number >= 3 to fit 4 constants")
     feats = [nominal.features(*record_lengths(r)) for r in rows]

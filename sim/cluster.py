@@ -25,6 +25,9 @@ class ClusterConfig(CacheConfig, frozen=True, kw_only=True):
     prefill_devices: tuple[str, ...] = ("cpu",)  # one prefill instance per entry
     decode_devices: tuple[str, ...] = ("cpu",)  # one decode instance per entry
     num_host_blocks: int = 8192  # host KV pool (blocks; the engine sizes it in GiB)
+    # the engine's ModelConfig.fuse_steps: steps of the instances sharing a device (and its
+    # one KV tensor) that wait for it together run as one forward
+    fuse_steps: bool = True
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -59,7 +62,7 @@ class ClusterConfig(CacheConfig, frozen=True, kw_only=True):
         """The cluster an engine config describes (its host pool in blocks here)."""
         return cls(**msgspec.structs.asdict(config.cache), prefill_devices=config.prefill_devices,
                    decode_devices=config.decode_devices, num_host_blocks=num_host_blocks,
-                   scheduler=config.scheduler)
+                   fuse_steps=config.model.fuse_steps, scheduler=config.scheduler)
 
 
 def cluster_for(hardware: Hardware, geometry: ModelGeometry, num_prefill: int, num_decode: int,

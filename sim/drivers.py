@@ -38,6 +38,7 @@ class SimContext:
     life: Lifecycle = field(init=False)
     store_devices: dict[str, str] = field(init=False)  # KV store -> its device
     devices: dict[str, Device] = field(init=False)  # the compute timeline of each device
+    steps: dict[str, StepQueue] = field(init=False)  # each device's steps waiting for it
     decode_devices: tuple[str, ...] = field(init=False)  # colocated ones without a pool
 
     def __post_init__(self) -> None:
@@ -47,16 +48,23 @@ class SimContext:
         stores = kv_stores(cfg.prefill_devices, self.decode_devices, cfg, cfg.num_host_blocks)
         self.store_devices = {name: dev for name, (dev, _) in stores.items() if name != "host"}
         self.devices = {dev: Device(dev) for dev in self.store_devices.values()}
+        fuse = cfg.fuse_steps and cfg.share_kv_memory  # one KV tensor per device
+        self.steps = {dev: StepQueue(self, device, fuse) for dev, device in self.devices.items()}
         self.kv = BlockLedger(stores, cfg.block_size, cfg.share_kv_memory)
         self.life = Lifecycle(self.kv, eos_token_id=-1, record_tokens=self.record_tokens)
 
-    def forward_time(self, step: Forward) -> float:
-        """The cost model's seconds for `step`: prefill chunks and decode tokens."""
-        prefill = [s.status == SeqStatus.PREFILLING for s in step.seqs]
-        return self.cost.iteration_time(
-            [s.num_tokens for s, p in zip(step.seqs, prefill) if not p],
-            [(s.num_computed_tokens, n)
-             for s, n, p in zip(step.seqs, step.num_new_tokens, prefill) if p])
+    def forward_time(self, *steps: Forward) -> float:
+        """The cost model's seconds for one forward over `steps`: their prefill chunks and
+        decode tokens."""
+        decode: list[int] = []
+        prefill: list[tuple[int, int]] = []
+        for step in steps:
+            for seq, num_new in zip(step.seqs, step.num_new_tokens):
+                if seq.status == SeqStatus.PREFILLING:
+                    prefill.append((seq.num_computed_tokens, num_new))
+                else:
+                    decode.append(seq.num_tokens)
+        return self.cost.iteration_time(decode, prefill)
 
     def transfer(self, move: Move, start: float) -> float:
         """Books `move`'s copy from `start` on its link and returns when it lands. Host moves
@@ -138,9 +146,7 @@ class Instance:
                 continue
             self.is_busy = True
             if isinstance(work, Forward):
-                duration = self.ctx.forward_time(work)
-                end = self.device.run(self.loop.now, duration)[1]
-                self.loop.at(end, partial(self._finish, work, duration))
+                self.ctx.steps[self.device.name].submit(self, work)
             else:
                 self._copy(work)
             return
@@ -172,11 +178,44 @@ class Instance:
             return False
         return True
 
-    def _finish(self, step: Forward, duration: float) -> None:
+    def finish(self, step: Forward, duration: float, fused: bool) -> None:
         """Hands the core the step's outputs: token 0 for every seq it samples for, no
         logprobs."""
         tokens = [0 if end == s.num_tokens else None for s, end in zip(step.seqs, step.lengths)]
         forks = self.core.finish(step, tokens, [None] * len(step.seqs), self.loop.now,
-                                 duration, self._decided)
+                                 duration, self._decided, fused)
         self._decided = 0.0
         self._copy(forks)
+
+
+class StepQueue:
+    """One device's forwards, as the engine's `StepQueue` (aserve/engine/runner.py) runs
+    them: with `fuse`, the steps that instances on the device submit while it is busy (or
+    in the same instant) wait and start together as one forward once it is free, each
+    instance finishing with that forward's time; without, each is booked on its own."""
+
+    def __init__(self, ctx: SimContext, device: Device, fuse: bool) -> None:
+        self.ctx, self.device, self.fuse = ctx, device, fuse
+        self.waiting: list[tuple[Instance, Forward]] = []
+
+    def submit(self, instance: Instance, step: Forward) -> None:
+        if not self.fuse:
+            self._run([(instance, step)])
+            return
+        self.waiting.append((instance, step))
+        if len(self.waiting) == 1:  # the first waiting: start them once the device is free
+            self.ctx.loop.at(max(self.ctx.loop.now, self.device.busy_until), self._start)
+
+    def _start(self) -> None:
+        loop = self.ctx.loop
+        if self.device.busy_until > loop.now:  # a copy booked the device meanwhile
+            loop.at(self.device.busy_until, self._start)
+            return
+        waiting, self.waiting = self.waiting, []
+        self._run(waiting)
+
+    def _run(self, steps: list[tuple[Instance, Forward]]) -> None:
+        duration = self.ctx.forward_time(*(step for _, step in steps))
+        end = self.device.run(self.ctx.loop.now, duration)[1]
+        for instance, step in steps:
+            self.ctx.loop.at(end, partial(instance.finish, step, duration, len(steps) > 1))

@@ -125,7 +125,7 @@ class Core:
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
+               schedule_time: float, fused: bool = False) -> list[Move]:
         """The forward ran (a decode or colocated step; prefill records first): outputs
         advance, the step is recorded, finished seqs leave the running batch. Returns the
         KV copies of samples forked from prompts whose prefill ended (`_advance`)."""
@@ -133,7 +133,7 @@ class Core:
                           if s.status == SeqStatus.PREFILLING)
         forks = self._advance(step, token_ids, logprobs, now)
         self.life.record(step, forward_time, schedule_time, num_prefill, is_mixed=len(
-            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1)
+            {s.batch_id == self.current_batch_id for s in step.seqs}) > 1, fused=fused)
         self.running = [s for s in self.running if not s.is_finished]
         return forks
 

@@ -61,12 +61,12 @@ class Lifecycle:
 
     def record(self, step: Forward, forward_time: float, schedule_time: float,
                num_prefill_tokens: int = 0, is_mixed: bool = False,
-               packed: bool = False) -> None:
+               packed: bool = False, fused: bool = False) -> None:
         """Records one forward pass; a prefill instance's (`packed` prompts) apart."""
         record = IterationRecord(
             step.instance, step.start_time, len(step.seqs), num_prefill_tokens,
             min(step.lengths), max(step.lengths), forward_time, schedule_time, is_mixed,
-            self.kv.blocks_used(), step.lengths, tuple(step.num_new_tokens))
+            self.kv.blocks_used(), step.lengths, tuple(step.num_new_tokens), fused)
         if packed:
             self._keep(self.prefill_iterations, record)
         else:

@@ -83,13 +83,13 @@ class PrefillCore(Core):
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,
-               schedule_time: float) -> list[Move]:
+               schedule_time: float, fused: bool = False) -> list[Move]:
         """The prefill ran: first tokens (TTFT); live seqs wait to be offloaded. Returns the
         KV copies of the samples forked from these prompts (n > 1), which the driver carries
         out before anything else."""
         self.prefilling = []
         self.life.record(step, forward_time, schedule_time, sum(step.num_new_tokens),
-                         packed=True)
+                         packed=True, fused=fused)
         forks = self._advance(step, token_ids, logprobs, now)
         live = [seq for seq in step.seqs if not seq.is_finished]
         self.blocked.extend(live)

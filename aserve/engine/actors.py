@@ -63,6 +63,11 @@ class EngineContext:
     max_model_len: int
     clock: Callable[[], float] = time.perf_counter  # the engine driver's one clock
     wiring: Wiring = field(default_factory=Wiring)
+    steps: dict[str, StepQueue] = field(init=False)  # by device string, over its runner
+
+    def __post_init__(self) -> None:
+        self.steps = {dev: StepQueue(runner, self.config.model.fuse_steps)
+                      for dev, runner in self.runners.items()}
 
 
 class Actor:
@@ -85,6 +90,7 @@ class Actor:
         self.device = device
         if device is not None:
             self.runner = ctx.runners[device]
+            self.steps = ctx.steps[device]
 
     def wake(self) -> None:
         """Its core's state changed: act on it once the current step is done."""
@@ -118,7 +124,7 @@ class Actor:
         if isinstance(work, Forward):
             result = await self.forward(work)
             work = self.core.finish(work, result.token_ids, result.logprobs, self.ctx.clock(),
-                                    result.forward_time, self._decided)
+                                    result.forward_time, self._decided, result.fused)
             self._decided = 0.0
         elif self.device is None:  # the batcher: orders overlap, as in the simulator
             for move in work:
@@ -164,13 +170,14 @@ class Actor:
         return (self.ctx.clock() - start) / num_tokens
 
     async def forward(self, step: Forward) -> StepResult:
-        """Runs `step` on the device's worker thread (the engine's one way to compute)."""
+        """Runs `step` on the device's worker thread (the engine's one way to compute),
+        fused with the steps other instances on the device submit meanwhile (`StepQueue`)."""
         items = [work_item(s, self.ctx.kv.table(s), n)
                  for s, n in zip(step.seqs, step.num_new_tokens)]
         num_prompt_tokens = sum(n for n in step.num_new_tokens if n > 1)
         self.prefill_running = (self.ctx.clock(), num_prompt_tokens) if num_prompt_tokens else None
         try:
-            return await self.runner.execute(items, self.ctx.kv[self.name].tensor)
+            return await self.steps.execute(items, self.ctx.kv[self.name].tensor)
         finally:
             self.prefill_running = None
 
@@ -187,6 +194,81 @@ class Actor:
             self.core.landed(move, self.ctx.clock())
             self._went_through(start)
         self.wake()
+
+
+@dataclass(slots=True)
+class _Waiting:
+    items: list[WorkItem]
+    kv_cache: object
+    future: asyncio.Future[StepResult]
+
+
+class StepQueue:
+    """The steps waiting for one device's runner; with `fuse`, run as one forward per KV
+    tensor.
+
+    Instances sharing a device (a CPU engine's prefill and decode instances) submit steps
+    one after the other; run apart, each reads every weight and pays the per-step overhead,
+    and a decode step at a small batch is bound by that read. Steps waiting together over
+    the same KV tensor run as one mixed step instead, as continuous batching mixes prefill
+    chunks into decode iterations: each caller gets the outputs of its own items, and the
+    whole forward's time with `fused` set. The instances' decisions are their own; only
+    when their steps run is shared. The simulator's devices queue steps the same way
+    (sim/drivers.py `StepQueue`)."""
+
+    def __init__(self, runner: Runner, fuse: bool) -> None:
+        self.runner, self.fuse = runner, fuse
+        self.waiting: list[_Waiting] = []
+        self.task: asyncio.Task[None] | None = None
+        self.num_fused = 0  # forwards begun over more than one instance's step
+
+    async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:
+        if not self.fuse:
+            return await self.runner.execute(items, kv_cache)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append(_Waiting(items, kv_cache, future))
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self.waiting:
+                # the instances the last step woke submit their next one before it starts
+                await asyncio.sleep(0)
+                kv_cache = self.waiting[0].kv_cache
+                steps = [w for w in self.waiting if w.kv_cache is kv_cache]
+                self.waiting = [w for w in self.waiting if w.kv_cache is not kv_cache]
+                steps = [w for w in steps if not w.future.done()]  # a caller cancelled
+                if steps:
+                    await self._run(steps, kv_cache)
+        except asyncio.CancelledError:  # the loop shuts down: so do the steps waiting
+            for w in self.waiting:
+                w.future.cancel()
+            self.waiting = []
+            raise
+
+    async def _run(self, steps: list[_Waiting], kv_cache: object) -> None:
+        fused = len(steps) > 1
+        self.num_fused += fused
+        try:
+            result = await self.runner.execute([i for w in steps for i in w.items], kv_cache)
+        except BaseException as exc:  # each instance in the forward meets its error
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            for w in steps:
+                if not w.future.done():
+                    w.future.cancel() if cancelled else w.future.set_exception(exc)
+            if cancelled:
+                raise
+            return
+        start = 0
+        for w in steps:
+            end = start + len(w.items)
+            if not w.future.done():
+                w.future.set_result(StepResult(result.token_ids[start:end],
+                                               result.logprobs[start:end],
+                                               result.forward_time, fused))
+            start = end
 
 
 class KVSpace(BlockLedger):

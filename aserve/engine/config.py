@@ -26,6 +26,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # byte-level tokenizer; None: the checkpoint directory's own (a preset: byte-level)
     weights_seed: int = 0  # seed of a preset's random weights (a checkpoint has its own)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, triton backends)
+    # run the steps that instances sharing a device submit together as one forward (a CPU
+    # engine's prefill and decode steps read the weights once)
+    fuse_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

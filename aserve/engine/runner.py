@@ -78,6 +78,7 @@ class StepResult:
     token_ids: list[int | None]
     logprobs: list[float | None]
     forward_time: float  # seconds of forward + sampling, measured in the worker thread
+    fused: bool = False  # ran in one forward with another instance's step (actors.StepQueue)
 
 
 class ModelRunner:

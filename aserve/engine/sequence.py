@@ -246,6 +246,9 @@ class IterationRecord:
     blocks_used: dict[str, int]  # location -> blocks in use after the step
     lengths: tuple[int, ...] = ()  # each seq's prefix once the step is done, in batch order
     new_tokens: tuple[int, ...] = ()  # tokens each seq computed in the step (1: a decode)
+    # ran in one forward with another instance's step (a CPU engine's prefill and decode):
+    # forward_time is that whole forward's
+    fused: bool = False
 
 
 @dataclass(frozen=True, slots=True)

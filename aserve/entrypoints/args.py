@@ -41,6 +41,8 @@ ENGINE_HELP: dict[str, str] = {  # every engine config field's option help (defa
     "weights_seed": "seed of a preset's random weights (a checkpoint has its own)",
     "cuda_graphs": "replay decode steps as CUDA graphs (CUDA, Triton backends; vLLM's "
                    "--enforce-eager is --no-cuda-graphs)",
+    "fuse_steps": "run the steps that a device's prefill and decode instances submit "
+                  "together as one forward (--no-fuse-steps: one forward each)",
     # CacheConfig
     "block_size": "tokens per KV block",
     "num_decode_blocks": "KV blocks of each decode instance",

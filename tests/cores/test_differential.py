@@ -10,6 +10,7 @@ import asyncio
 import math
 import random
 import selectors
+from typing import Any
 
 import pytest
 
@@ -78,12 +79,14 @@ def cost_model(kernel: KernelKind = "split-k") -> CostModel:
 
 
 def engine_config(policy: str, starvation_threshold: float | None = 0.3,
-                  share_kv_memory: bool = True) -> EngineConfig:
+                  share_kv_memory: bool = True, fuse_steps: bool = False) -> EngineConfig:
+    """The workload's engine. NOTE: its evictions and starvation happen at the timings of
+    steps run apart (`fuse_steps` False); fused steps shift them."""
     return EngineConfig.create(model="opt-tiny", policy=policy, num_decode_blocks=48,
                                num_prefill_blocks=128, num_staging_blocks=64,
                                host_pool_gb=0.002, min_requests=4, max_batch_size=16,
                                starvation_threshold=starvation_threshold,
-                               share_kv_memory=share_kv_memory,
+                               share_kv_memory=share_kv_memory, fuse_steps=fuse_steps,
                                trace_limit=None)  # compared with the simulator's whole log
 
 
@@ -157,6 +160,43 @@ def decisions(events, iterations, transfers) -> tuple[list, list, list]:  # type
 POLICIES = sorted(REGISTERED)  # every registered policy
 
 
+def both_drivers(config: EngineConfig, cost: CostModel) -> tuple[Engine, Any, tuple, tuple]:  # type: ignore[type-arg]
+    """The workload through the engine (virtual clock) and the simulator under `config`:
+    both runs and both sides' `decisions`, asserted equal, at the same times."""
+    policy = config.scheduler.policy
+    probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
+    engine = run_on_virtual_clock(config, cost, probe)
+    kv = engine.ctx.kv  # type: ignore[union-attr]
+    cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
+    result = simulate(workload(), policy, cluster, cost, aborts=ABORTS)
+    engine_side = decisions(engine.events, engine.iterations, kv.transfers)
+    sim_side = decisions(result.events, result.iterations, result.transfers)
+    for name, got, want in zip(("events", "iterations", "transfers"), engine_side, sim_side):
+        assert got == want, name
+    assert [e.time for e in engine.events] == pytest.approx(
+        [e.time for e in result.events], abs=TOLERANCE)
+    assert [it.start_time for it in engine.iterations] == pytest.approx(
+        [it.start_time for it in result.iterations], abs=TOLERANCE)
+    return engine, result, engine_side, sim_side
+
+
+@pytest.mark.parametrize("policy", ["aligned", "fcfs", "continuous"])
+def test_fused_steps_run_the_same_on_both_drivers(policy: str) -> None:
+    """With the prefill and decode instances' steps fused on their one device, the engine
+    and the simulator still decide and time alike, and fuse the same steps (a colocated
+    instance is alone on its device: nothing to fuse)."""
+    config = engine_config(policy, STARVATION_THRESHOLD, fuse_steps=True)
+    engine, result, _, _ = both_drivers(config, cost_model())
+    engine_fused = [(r.instance, r.start_time) for r in (*engine.iterations,
+                                                          *engine.prefill_iterations) if r.fused]
+    sim_fused = [(r.instance, r.start_time) for r in (*result.iterations,
+                                                       *result.prefill_iterations) if r.fused]
+    assert len(engine_fused) == len(sim_fused)
+    assert (len(sim_fused) > 0) == (policy != "continuous")
+    assert {name for name, _ in sim_fused} <= {"prefill0", "decode0"}
+
+
 # NOTE: all stores are on one device here, so by default every move is a hand-over that
 # lands at once; with a tensor per store each move is a copy that takes link time
 @pytest.mark.parametrize("policy,headroom,share", [(p, None, True) for p in POLICIES]
@@ -170,23 +210,10 @@ def test_engine_and_simulator_make_the_same_decisions(policy: str, headroom: int
         monkeypatch.setattr(aligned, "HEADROOM_STEPS", headroom)
     cost = cost_model()
     config = engine_config(policy, STARVATION_THRESHOLD, share)
-    probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
-                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
-    engine = run_on_virtual_clock(config, cost, probe)
+    engine, result, engine_side, sim_side = both_drivers(config, cost)
     kv = engine.ctx.kv  # type: ignore[union-attr]
-    cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
-    result = simulate(workload(), policy, cluster, cost, aborts=ABORTS)
-
-    sim_events = result.events
-    engine_side = decisions(engine.events, engine.iterations, kv.transfers)
-    sim_side = decisions(sim_events, result.iterations, result.transfers)
-    for name, got, want in zip(("events", "iterations", "transfers"), engine_side, sim_side):
-        assert got == want, name
-    assert [e.time for e in engine.events] == pytest.approx(
-        [e.time for e in sim_events], abs=TOLERANCE)
-    assert [it.start_time for it in engine.iterations] == pytest.approx(
-        [it.start_time for it in result.iterations], abs=TOLERANCE)
     assert all((t.end_time == t.start_time) == share for t in kv.transfers)
+    cluster = ClusterConfig.from_engine(config, kv.allocators["host"].num_blocks)
     kinds = {k for _, k in engine_side[0]}
     assert "finish" in kinds
     # aligned (and its no-prefetch variant) keeps room for its running seqs' growth

@@ -142,7 +142,7 @@ def test_the_simulator_driven_aligned_decides_the_same_under_timing_noise(
     def steps(seed: int | None) -> list[tuple[int, ...]]:
         rng = random.Random(seed)
         noisy = exact if seed is None else (
-            lambda ctx, step: exact(ctx, step) * rng.uniform(1 - NOISE, 1 + NOISE))
+            lambda ctx, *step: exact(ctx, *step) * rng.uniform(1 - NOISE, 1 + NOISE))
         monkeypatch.setattr(drivers.SimContext, "forward_time", noisy)
         result = simulate(load, "aligned", cluster, cost)
         return [it.lengths for it in result.iterations if it.instance.startswith("decode")]

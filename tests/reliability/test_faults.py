@@ -19,7 +19,7 @@ from aserve.engine.sequence import RequestOutput, SeqState
 from aserve.entrypoints.server import ENGINE, create_app
 from tests.aserve.test_engine import collect, settle
 from tests.conftest import make_config, make_prompts
-from tests.reliability.conftest import BlockLedger, Gate, is_decode, wait_for_event
+from tests.reliability.conftest import BlockLedger, Gate, is_decode, is_prefill, wait_for_event
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPTS = make_prompts(4, 8, 40, 512, seed=11)
@@ -62,8 +62,9 @@ def assert_only_victims_failed(outs: dict[str, RequestOutput], victims: set[str]
 async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str,
                                                                   num_failures: int) -> None:
     """A decode step that fails once runs again (its KV is intact) and every request
-    completes; one that fails twice fails its batch alone."""
-    async with Engine(make_config(policy=policy)) as engine:
+    completes; one that fails twice fails its batch alone. (Steps apart: the gate parks
+    the decode step while the prompts are prefilled.)"""
+    async with Engine(make_config(policy=policy, fuse_steps=False)) as engine:
         ledger = BlockLedger(engine)
         runner = next(iter(engine.ctx.runners.values()))  # type: ignore[union-attr]
         gate = Gate(runner, "execute", is_decode)
@@ -86,6 +87,38 @@ async def test_runner_raising_mid_iteration_fails_only_that_batch(policy: str,
         outs = await finish_all(engine, tasks, ledger)
     victims = {"victim"} if num_failures > 1 else set()
     assert_only_victims_failed(outs, victims, "injected forward failure")
+
+
+async def test_a_fused_forward_failing_fails_what_ran_in_it_and_nothing_else() -> None:
+    """A prefill and a decode step fused into one forward, which fails once: the decode
+    batch runs again and completes (its KV is intact), the prompts in the forward end with
+    the error, the others complete, every block is freed once and the engine serves on."""
+    async with Engine(make_config(policy="aligned")) as engine:
+        ledger = BlockLedger(engine)
+        runner = next(iter(engine.ctx.runners.values()))  # type: ignore[union-attr]
+        steps = next(iter(engine.ctx.steps.values()))  # type: ignore[union-attr]
+        gate = Gate(runner, "execute", is_decode)
+        tasks = {"victim": start(engine, "victim", PROMPTS[0])}
+        await gate.entered.wait()  # "victim" decodes; its step holds the device
+        tasks |= {f"other{i}": start(engine, f"other{i}", p) for i, p in enumerate(PROMPTS[1:])}
+        while not steps.waiting:  # the prompts' prefill waits for the device
+            await asyncio.sleep(0.001)
+        gated = runner.execute
+        fused_items: list[list[int]] = []
+
+        async def fail_fused_once(items: list, kv_cache: object) -> object:  # type: ignore[type-arg]
+            if not fused_items and is_prefill(items) and not all(i.start == 0 for i in items):
+                fused_items.append([len(i.token_ids) for i in items])
+                raise RuntimeError("injected fused failure")
+            return await gated(items, kv_cache)
+
+        runner.execute = fail_fused_once
+        gate.open()
+        outs = await finish_all(engine, tasks, ledger)
+    assert fused_items and steps.num_fused >= 1
+    failed = {rid for rid, out in outs.items() if out.finish_reason == "error"}
+    assert failed and "victim" not in failed
+    assert_only_victims_failed(outs, failed, "injected fused failure")
 
 
 Inject = Callable[[SeqState, str], None]

@@ -74,19 +74,23 @@ def test_pipeline_events_come_in_life_order() -> None:
                      "prefetched", "decode_start", "token", "token", "finish"]
 
 
-@pytest.mark.parametrize(("shared", "a_end", "b_ttft", "b_end"),
-                         [(False, 3.0, 1.0, 4.0), (True, 4.0, 1.5, 5.0)])
-def test_instances_on_one_device_take_turns(shared: bool, a_end: float, b_ttft: float,
-                                            b_end: float) -> None:
+@pytest.mark.parametrize(("shared", "fuse", "a_end", "b_ttft", "b_end", "fused"),
+                         [(False, True, 3.0, 1.0, 4.0, 0), (True, False, 4.0, 1.5, 5.0, 0),
+                          (True, True, 3.0, 1.5, 4.0, 2)])
+def test_instances_on_one_device_take_turns(shared: bool, fuse: bool, a_end: float,
+                                            b_ttft: float, b_end: float, fused: int) -> None:
     """b arrives at 1.5. Separate devices: b's prefill runs 1.5-2.5 beside a's decode; a ends
-    at 3, then b decodes 3-4. One device: b's prefill waits for a's step (2-3), a's last step
-    runs 3-4, b's decode 4-5."""
+    at 3, then b decodes 3-4. One device, steps apart: b's prefill waits for a's step (2-3),
+    a's last step runs 3-4, b's decode 4-5. One device, steps fused: b's prefill waits for
+    a's step and runs with a's last one (2-3), b decodes 3-4; both record the fused step."""
     result = simulate(_workload(("a", 4, 3, 0.0), ("b", 4, 2, 1.5)), "fcfs",
-                      _config(shared=shared), _unit_cost())
+                      _config(shared=shared).replace(fuse_steps=fuse), _unit_cost())
     by_id = {m.seq_id: m for m in request_metrics(result.events)}
     assert by_id["a"].finish == pytest.approx(a_end, abs=EPS)
     assert by_id["b"].ttft == pytest.approx(b_ttft, abs=EPS)
     assert by_id["b"].finish == pytest.approx(b_end, abs=EPS)
+    records = [*result.iterations, *result.prefill_iterations]
+    assert sum(r.fused for r in records) == fused
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
