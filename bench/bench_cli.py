@@ -57,6 +57,7 @@ class BenchSettings:
     served_model: str | None = None  # model name on that server (default: its first)
     tpot_slo: float = DEFAULT_TPOT_SLO  # goodput's TPOT target (seconds)
     share_kv_memory: bool = True  # the engine's KV stores on one device: one tensor
+    fuse_steps: bool = True  # a device's prefill and decode steps that meet: one forward
 
 
 @dataclasses.dataclass(slots=True)
@@ -164,6 +165,7 @@ def engine_config(name: str, sizing: Sizing, settings: BenchSettings) -> EngineC
     return EngineConfig.create(model=settings.model, dtype=settings.dtype,
                                weights_seed=settings.seed, policy=policy,
                                attention=attention, share_kv_memory=settings.share_kv_memory,
+                               fuse_steps=settings.fuse_steps,
                                trace_limit=None, **sizing.options())  # the full log
 
 
@@ -211,7 +213,8 @@ def write_outputs(runs: Sequence[WorkloadRun], args: argparse.Namespace,
         for result in (r for r in run.results if r.iterations):
             header: dict[str, object] = {"model": settings.model, "dtype": settings.dtype,
                       "system": result.system, "workload": run.workload.name,
-                      "share_kv_memory": settings.share_kv_memory}
+                      "share_kv_memory": settings.share_kv_memory,
+                      "fuse_steps": settings.fuse_steps}
             file = f"{run.workload.name}__{result.system.replace('/', '-')}"
             file += f"__r{result.repeat}.jsonl" if args.repeats > 1 else ".jsonl"
             write_iteration_log(log_dir / file, header,
@@ -335,6 +338,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=d.share_kv_memory,
                    help="the engine's KV stores on one device share one tensor and move KV "
                         "by handing block tables over (--no-share-kv-memory: a copy per move)")
+    p.add_argument("--fuse-steps", action=argparse.BooleanOptionalAction,
+                   default=d.fuse_steps,
+                   help="the engine runs the prefill and decode steps that wait for one device "
+                        "together as one forward (--no-fuse-steps: one forward each)")
     p.add_argument("--model", default=d.model,
                    help="a preset name (random weights), a packaged model "
                         "(smollm2-135m-instruct), a checkpoint directory or a .gguf file")
@@ -390,7 +397,8 @@ def main(argv: list[str]) -> int:
                              batch_requests=args.batch_requests, realtime=not args.offline,
                              url=args.url, api_key=args.api_key,
                              served_model=args.served_model, tpot_slo=args.tpot_slo,
-                             share_kv_memory=args.share_kv_memory)
+                             share_kv_memory=args.share_kv_memory,
+                             fuse_steps=args.fuse_steps)
     try:
         systems = system_names(args.systems + ([HTTP_SYSTEM] if args.url else []),
                                args.attention)

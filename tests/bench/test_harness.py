@@ -64,7 +64,8 @@ def test_cli_writes_documented_json_for_two_policies(tmp_path: Path) -> None:
     header, records = read_iteration_log(
         out.with_suffix(".iterations") / "synthetic-s0.5__fcfs-paged.jsonl")
     assert header == {"model": TINY, "dtype": "float32", "system": "fcfs/paged",
-                      "workload": "synthetic-s0.5", "share_kv_memory": True}
+                      "workload": "synthetic-s0.5", "share_kv_memory": True,
+                      "fuse_steps": True}
     assert records and all(r.batch_size >= 1 for r in records)
     # the start-up probe's steps come first: every log calibrates over batch sizes
     probed = [r for r in records if r.instance == "probe"]
