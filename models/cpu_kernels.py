@@ -1,4 +1,4 @@
-"""Builds and loads the CPU kernels written in C (`cpu_attention`, `cpu_gemm`): compiled
+"""Builds and loads the CPU kernels written in C (`cpu_attention`, `cpu_gemm` and the rest):
 with the system C compiler on first use, cached under $ASERVE_CACHE_DIR (default
 ~/.cache/aserve) by a hash of the source, flags, compiler and CPU, loaded through ctypes.
 
@@ -32,6 +32,29 @@ from models import cpu_isa
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+
+# C shared by the kernels that work on 16 floats at a time (`cpu_norm`, `cpu_argmax`): GCC/Clang
+# vector extensions (one AVX-512 register, two AVX2 registers), float32 and bf16 loads
+VEC16 = r"""
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+
+static inline v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline v16 load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
+    h16 h; memcpy(&h, p, sizeof h);
+    u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v; memcpy(&v, &w, sizeof v); return v;
+}
+static inline float at_f32(const float *p, int64_t i) { return p[i]; }
+static inline float at_bf16(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, sizeof f); return f;
+}
+"""
 
 
 def _cache_dir() -> Path:

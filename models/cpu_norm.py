@@ -23,23 +23,9 @@ from models import cpu_kernels
 
 MAX_ELEMENTS = 1 << 17  # inputs up to this size run in one thread (decode batches)
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = cpu_kernels.VEC16 + r"""
 #include <math.h>
 
-/* GCC/Clang vector extensions: 16 floats (one AVX-512 register, two AVX2 registers) */
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
-
-static inline v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline v16 load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
-    h16 h; memcpy(&h, p, sizeof h);
-    u16 w = __builtin_convertvector(h, u16) << 16;
-    v16 v; memcpy(&v, &w, sizeof v); return v;
-}
 static inline void store_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline void store_bf16(uint16_t *p, v16 v) {  /* nearest even, NaN kept, as torch */
     u16 u; memcpy(&u, &v, sizeof u);
