@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels written in C (`cpu_attention`, `cpu_gemm` and the
-others): compiled with the system C compiler on first use, cached under $ASERVE_CACHE_DIR (default
-~/.cache/aserve) by a hash of the source, flags, compiler and CPU, loaded through ctypes.
+others): compiled with the system C compiler on first use, cached under $ASERVE_CACHE_DIR
+(default ~/.cache/aserve) by a hash of the source, flags, compiler and CPU, loaded through
+ctypes.
 
 Each kernel is optional: `build` returns None without a compiler, when compiling fails, or
 when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
