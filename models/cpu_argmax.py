@@ -1,15 +1,17 @@
-"""Row-wise argmax of float32 or bf16 logits on the CPU, in C, compiled once on first use.
+"""Row-wise argmax of bf16 logits on the CPU, in C, compiled once on first use.
 
 Greedy decoding takes one argmax per row of `[num_seqs, vocab_size]` logits. torch's CPU
-argmax is a scalar loop, and widening bf16 logits to float32 first costs a pass that writes
-twice the bytes it reads. This kernel reads each row once, as it lies: per vector lane the
+argmax is a scalar loop, its vectorised max of bf16 is slow too, and widening bf16 logits to
+float32 first costs a pass that writes twice the bytes it reads (float32 logits take
+`models.sampler.argmax`'s block-wise torch path, as fast as this kernel there). This kernel
+reads each bf16 row once, as it lies: per vector lane the
 largest value so far and where it was (strictly larger replaces, so each lane keeps its
 first), and whether a NaN went by; then the lanes' answers combine into torch's own: the
 first NaN where a row has one, else the first position of the row's maximum. Rows are shared
-out to torch's OpenMP threads. Vectors are GCC/Clang vector extensions, so the AVX2 build
-is the same code. Built and cached by `models.cpu_kernels` (ASERVE_CPU_KERNELS=0
-disables it); `argmax` returns None where it cannot run and the caller keeps its torch
-path.
+out to torch's OpenMP threads. Vectors are one register each (`cpu_kernels.VECTORS`: 16
+floats with AVX-512, 8 with AVX2). Built and cached by `models.cpu_kernels`
+(ASERVE_CPU_KERNELS=0 disables it); `argmax` returns None where it cannot run and the
+caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -22,29 +24,30 @@ from torch import Tensor
 
 from models import cpu_kernels
 
-_SOURCE = cpu_kernels.VEC16 + r"""
+_SOURCE = cpu_kernels.VECTORS + r"""
 /* The first position of row x's maximum (n values), or of its first NaN. Four sets of
    lanes run side by side (independent chains); a NaN seen anywhere sends the row to a
    scalar search for the first one. */
 #define ROW(NAME, T, LOAD, AT)                                                            \
 static int64_t NAME(const T *x, int64_t n) {                                              \
-    const int64_t whole = n / 64 * 64;                                                    \
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};              \
-    v16 best[4];                                                                          \
-    i16 where[4], odd = {0};                                                              \
+    const int64_t whole = n / (4 * LANES) * (4 * LANES);                                  \
+    vi lane;                                                                              \
+    for (int j = 0; j < LANES; j++) lane[j] = j;                                          \
+    vf best[4];                                                                           \
+    vi where[4], odd = {0};                                                               \
     for (int k = 0; k < 4; k++)  /* position 0 in every lane: ties keep it */             \
-        best[k] = (v16){0} + AT(x, 0), where[k] = (i16){0};                               \
-    for (int64_t i = 0; i < whole; i += 64)                                               \
+        best[k] = (vf){0} + AT(x, 0), where[k] = (vi){0};                                 \
+    for (int64_t i = 0; i < whole; i += 4 * LANES)                                        \
         for (int k = 0; k < 4; k++) {                                                     \
-            const v16 v = LOAD(x + i + 16 * k);                                           \
-            const i16 more = v > best[k];                                                 \
-            best[k] = (v16)((more & (i16)v) | (~more & (i16)best[k]));                    \
-            where[k] = (more & (lane + (int32_t)(i + 16 * k))) | (~more & where[k]);      \
+            const vf v = LOAD(x + i + LANES * k);                                         \
+            const vi more = v > best[k];                                                  \
+            best[k] = (vf)((more & (vi)v) | (~more & (vi)best[k]));                       \
+            where[k] = (more & (lane + (int32_t)(i + LANES * k))) | (~more & where[k]);   \
             odd |= v != v;                                                                \
         }                                                                                 \
     float top = best[0][0]; int64_t at = where[0][0], nan = 0;                            \
     for (int k = 0; k < 4; k++)                                                           \
-        for (int j = 0; j < 16; j++) {                                                    \
+        for (int j = 0; j < LANES; j++) {                                                 \
             nan |= odd[j];                                                                \
             if (best[k][j] > top || (best[k][j] == top && where[k][j] < at))              \
                 top = best[k][j], at = where[k][j];                                       \
@@ -60,21 +63,17 @@ static int64_t NAME(const T *x, int64_t n) {                                    
     return at;                                                                            \
 }
 
-ROW(row_f32, float, load_f32, at_f32)
 ROW(row_bf16, uint16_t, load_bf16, at_bf16)
 
 /* out[r] = argmax of row r (rows `stride` elements apart); 0 */
-int argmax_rows(const void *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
-                int bf16, int num_threads) {
+int argmax_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
+                int num_threads) {
     #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1)
-    for (int64_t r = 0; r < rows; r++)
-        out[r] = bf16 ? row_bf16((const uint16_t *)x + r * stride, n)
-                      : row_f32((const float *)x + r * stride, n);
+    for (int64_t r = 0; r < rows; r++) out[r] = row_bf16(x + r * stride, n);
     return 0;
 }
 """
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 MAX_VOCAB = 1 << 31  # positions are int32 lanes
 
 
@@ -82,7 +81,7 @@ MAX_VOCAB = 1 << 31  # positions are int32 lanes
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+    argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
     # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
     return (cpu_kernels.build("argmax_rows", _SOURCE, argtypes, ("-fopenmp",))
@@ -90,14 +89,13 @@ def _library() -> ctypes.CDLL | None:
 
 
 def argmax(logits: Tensor) -> Tensor | None:
-    """`logits.argmax(dim=-1)` (`[num_seqs]` long) of `[num_seqs, vocab_size]` float32 or
-    bf16 CPU logits with contiguous rows, ties and NaN alike; None for anything else."""
-    kind = _KINDS.get(logits.dtype)
-    if (kind is None or logits.device.type != "cpu" or logits.dim() != 2
+    """`logits.argmax(dim=-1)` (`[num_seqs]` long) of `[num_seqs, vocab_size]` bf16 CPU
+    logits with contiguous rows, ties and NaN alike; None for anything else."""
+    if (logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2
             or logits.stride(1) != 1 or not 0 < logits.shape[1] < MAX_VOCAB
             or (lib := _library()) is None):
         return None
     out = torch.empty(logits.shape[0], dtype=torch.long)
     lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                    out.data_ptr(), kind, torch.get_num_threads())
+                    out.data_ptr(), torch.get_num_threads())
     return out

@@ -34,24 +34,29 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 
-# C shared by the kernels that work on 16 floats at a time (`cpu_norm`, `cpu_argmax`): GCC/Clang
-# vector extensions (one AVX-512 register, two AVX2 registers), float32 and bf16 loads
-VEC16 = r"""
+# C shared by the kernels written for whole registers (`cpu_norm`, `cpu_argmax`): GCC/Clang
+# vector extensions of LANES floats, 16 where the CPU has AVX-512 and 8 (an AVX2 register)
+# elsewhere, so that every vector is one register; float32 and bf16 loads, one bf16 widened
+VECTORS = r"""
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
 
-static inline v16 load_f32(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline v16 load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
-    h16 h; memcpy(&h, p, sizeof h);
-    u16 w = __builtin_convertvector(h, u16) << 16;
-    v16 v; memcpy(&v, &w, sizeof v); return v;
+static inline vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
+    vh h; memcpy(&h, p, sizeof h);
+    vu w = __builtin_convertvector(h, vu) << 16;
+    vf v; memcpy(&v, &w, sizeof v); return v;
 }
-static inline float at_f32(const float *p, int64_t i) { return p[i]; }
 static inline float at_bf16(const uint16_t *p, int64_t i) {
     uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, sizeof f); return f;
 }

@@ -23,40 +23,40 @@ from models import cpu_kernels
 
 MAX_ELEMENTS = 1 << 17  # inputs up to this size run in one thread (decode batches)
 
-_SOURCE = cpu_kernels.VEC16 + r"""
+_SOURCE = cpu_kernels.VECTORS + r"""
 #include <math.h>
 
-static inline void store_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline void store_bf16(uint16_t *p, v16 v) {  /* nearest even, NaN kept, as torch */
-    u16 u; memcpy(&u, &v, sizeof u);
-    const u16 nan = (u16)(v != v);
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline void store_bf16(uint16_t *p, vf v) {  /* nearest even, NaN kept, as torch */
+    vu u; memcpy(&u, &v, sizeof u);
+    const vu nan = (vu)(v != v);
     u = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (0x7fc0u & nan);
-    h16 h = __builtin_convertvector(u, h16); memcpy(p, &h, sizeof h);
+    vh h = __builtin_convertvector(u, vh); memcpy(p, &h, sizeof h);
 }
-static inline float total(v16 v) {  /* lanes added pairwise */
-    float t[16]; memcpy(t, &v, sizeof t);
-    for (int s = 8; s > 0; s /= 2)
+static inline float total(vf v) {  /* lanes added pairwise */
+    float t[LANES]; memcpy(t, &v, sizeof t);
+    for (int s = LANES / 2; s > 0; s /= 2)
         for (int j = 0; j < s; j++) t[j] += t[j + s];
     return t[0];
 }
 
-/* y = (x - mean) / sqrt(var + eps) * w + b per row of n (a multiple of 16); w and b NULL:
+/* y = (x - mean) / sqrt(var + eps) * w + b per row of n (a multiple of LANES); w, b NULL:
    no affine. Mean first, then the variance about it, in float32. */
 #define NORM(NAME, T, LOAD, STORE)                                                        \
 static void NAME(const T *x, const T *w, const T *b, T *y, int64_t rows, int64_t n,       \
                  float eps) {                                                             \
     for (int64_t r = 0; r < rows; r++, x += n, y += n) {                                  \
-        v16 acc = {0};                                                                    \
-        for (int64_t i = 0; i < n; i += 16) acc += LOAD(x + i);                           \
+        vf acc = {0};                                                                     \
+        for (int64_t i = 0; i < n; i += LANES) acc += LOAD(x + i);                        \
         const float mean = total(acc) / (float)n;                                         \
-        acc = (v16){0};                                                                   \
-        for (int64_t i = 0; i < n; i += 16) {                                             \
-            const v16 d = LOAD(x + i) - mean;                                             \
+        acc = (vf){0};                                                                    \
+        for (int64_t i = 0; i < n; i += LANES) {                                          \
+            const vf d = LOAD(x + i) - mean;                                              \
             acc += d * d;                                                                 \
         }                                                                                 \
         const float rstd = 1.0f / sqrtf(total(acc) / (float)n + eps);                     \
-        for (int64_t i = 0; i < n; i += 16) {                                             \
-            const v16 v = (LOAD(x + i) - mean) * rstd;                                    \
+        for (int64_t i = 0; i < n; i += LANES) {                                          \
+            const vf v = (LOAD(x + i) - mean) * rstd;                                     \
             STORE(y + i, w == NULL ? v : v * LOAD(w + i) + LOAD(b + i));                  \
         }                                                                                 \
     }                                                                                     \
