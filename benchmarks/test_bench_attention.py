@@ -5,6 +5,7 @@ GEMM at the step's linear shapes. Prints tables.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from aserve.engine.host import tune_host_allocator
 from bench.metrics import median_range
-from models import cpu_attention, cpu_gemm
+from models import cpu_attention, cpu_bf16_attention, cpu_gemm
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.cpu_kernels import advise_huge_pages
 from models.loader import build_preset
@@ -104,40 +105,58 @@ def test_decode_attention_uniform_vs_skewed() -> None:
 
 
 KERNEL_SHAPES = {"opt-125m (12 heads)": (12, 12), "smollm2-135m (9 heads, 3 KV)": (9, 3)}
+COLD_BYTES = 256 << 20  # KV per timed call: well past the CPU's last-level cache
+
+
+def every_layer(kernel: Callable[[int], object], layers: int) -> None:
+    for layer in range(layers):
+        kernel(layer)
 
 
 def test_decode_kernel_widths() -> None:
-    """The C decode kernel at each vector width on one layer of 64 sequences, and grouped
-    queries fused (each KV head read once for its query heads) against expanded into one
-    row per query head (`AttentionBackend.forward`, the path of mixed steps).
-    Rounds interleave the variants; median [min-max] of the rounds' best of 3 calls."""
-    print(f"\nC decode attention kernel, one layer, 64 sequences, {torch.get_num_threads()} "
-          f"threads, this CPU's kernel width {cpu_attention.lanes_for(HEAD_DIM)} lanes; load "
+    """The C decode kernel at each vector width on 64 sequences, the kernel
+    `cpu_attention.decode` picks by default where that is another one (bf16 on AVX-512
+    BF16), and grouped queries fused (each KV head read once for its query heads) against
+    expanded into one row per query head (`AttentionBackend.forward`, the path of mixed
+    steps). Each call runs every layer of a cache of at least COLD_BYTES, so that the KV
+    comes from memory as in a step, not from the last call's cache lines. Rounds interleave
+    the variants; median [min-max] over the rounds of the best of 3 calls, per layer, and
+    the GB/s of KV that median reads."""
+    print(f"\nC decode attention kernel, 64 sequences, {torch.get_num_threads()} threads, this "
+          f"CPU's kernel width {cpu_attention.lanes_for(HEAD_DIM)} lanes; ms per layer; load "
           f"average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     backend = get_backend("paged")
     for dtype_name, dtype in DTYPES.items():
         for shape_name, (heads, kv_heads) in KERNEL_SHAPES.items():
             for context in (128, 1024):
                 lens = [context] * 64
-                kv_cache, tables = paged_inputs(lens, 1, kv_heads, HEAD_DIM, dtype)
+                layer_bytes = 2 * 64 * context * kv_heads * HEAD_DIM * dtype.itemsize
+                layers = -(-COLD_BYTES // layer_bytes)
+                kv_cache, tables = paged_inputs(lens, layers, kv_heads, HEAD_DIM, dtype)
                 meta = AttentionMetadata.build([1] * 64, lens, tables, BLOCK_SIZE, "cpu")
                 q = torch.randn(64, heads, HEAD_DIM, dtype=dtype)
-                args = (q, kv_cache, 0, meta.block_tables, meta.seq_lens, context,
-                        HEAD_DIM ** -0.5)
-                fns: dict[str, Callable[[], object]] = {
-                    f"{lanes} lanes": lambda lanes=lanes: cpu_attention.decode(*args, lanes=lanes)
+                args = (meta.block_tables, meta.seq_lens, context, HEAD_DIM ** -0.5)
+                kernels: dict[str, Callable[[int], object]] = {
+                    f"{lanes} lanes": lambda i, lanes=lanes: cpu_attention.decode(
+                        q, kv_cache, i, *args, lanes=lanes)
                     for lanes in (cpu_attention.LANES, cpu_attention.WIDE_LANES)}
+                if dtype == torch.bfloat16 and cpu_bf16_attention.is_supported(q):
+                    kernels["default"] = lambda i: cpu_attention.decode(q, kv_cache, i, *args)
                 if heads != kv_heads:
-                    fns["expanded rows"] = lambda: backend.forward(q, kv_cache, 0, meta,
-                                                                   HEAD_DIM ** -0.5)
+                    kernels["expanded rows"] = lambda i: backend.forward(q, kv_cache, i, meta,
+                                                                         HEAD_DIM ** -0.5)
+                fns = {name: functools.partial(every_layer, kernel, layers)
+                       for name, kernel in kernels.items()}
                 rounds: dict[str, list[float]] = {k: [] for k in fns}
                 with torch.inference_mode():
                     for r in range(5):
                         names = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
                         for name in names:
-                            rounds[name].append(measure(fns[name], 3).min_ms)
+                            rounds[name].append(measure(fns[name], 3).min_ms / layers)
                 print(f"{dtype_name:9} {shape_name:28} context {context:5}  " + "  ".join(
-                    f"{name} {median_range(t)}" for name, t in rounds.items()), flush=True)
+                    f"{name} {median_range(t)} "
+                    f"({layer_bytes / statistics.median(t) / 1e6:.1f} GB/s)"
+                    for name, t in rounds.items()), flush=True)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from models import cpu_bf16_attention, cpu_isa, cpu_kernels
+from models import cpu_bf16_attention, cpu_isa, cpu_kernels, cpu_mha_decode
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 LANES = 8  # floats per AVX2 register; head_dim must be a multiple of 2 * LANES
@@ -410,17 +410,20 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     V, q's dtype), each sequence first writes them at its position `seq_lens[i] - 1`,
     rounded to the cache's dtype, as `write_kv` does. q, K and V may be views of one fused
     projection. `lanes` forces a vector width (LANES or WIDE_LANES; default `lanes_for`);
-    without it, grouped bf16 queries over a bf16 cache go to `cpu_bf16_attention.decode`
-    where the CPU has a native bf16 dot product.
+    without it, bf16 queries over a bf16 cache go to `cpu_bf16_attention.decode` (grouped)
+    or `cpu_mha_decode.decode` (one query head per KV head) where the CPU has a native bf16
+    dot product.
     None when unsupported (`is_supported`, or a dtype pair the kernel lacks), so that the
     caller takes its reference path (and its own KV write)."""
-    if (lanes is None and q.dtype == kv_cache.dtype == torch.bfloat16
-            and q.shape[1] > kv_cache.shape[4]):
+    if lanes is None and q.dtype == kv_cache.dtype == torch.bfloat16:
         # NOTE: grouped queries: the bf16 kernel reads each K/V row once for all the heads
-        # that share it, where this one widens it once per head; with one query head per
-        # KV head this kernel is the faster
-        out = cpu_bf16_attention.decode(q, kv_cache, layer, block_tables, seq_lens,
-                                        max_seq_len, scale, new_kv)
+        # that share it, where this one widens it once per head; one query head per KV
+        # head: a single pass with the next tile prefetched streams the cache faster
+        out = (cpu_bf16_attention.decode(q, kv_cache, layer, block_tables, seq_lens,
+                                         max_seq_len, scale, new_kv)
+               if q.shape[1] > kv_cache.shape[4] else
+               cpu_mha_decode.decode(q, kv_cache, layer, block_tables, seq_lens, max_seq_len,
+                                     scale, new_kv))
         if out is not None:
             return out
     kind = _KINDS.get((q.dtype, kv_cache.dtype))

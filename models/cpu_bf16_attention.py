@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -40,12 +41,37 @@ from models import cpu_isa, cpu_kernels
 
 NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
 
-_SOURCE = r"""
+# C shared with the other AVX-512 BF16 kernels (`models.cpu_mha_decode`)
+HEADER = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* exp of 16 floats (Cephes' polynomial after r = x - k ln 2), about one ulp of expf;
+   inputs below -87.3 (masked scores: -inf) give 0 */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33654f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k),
+                                                   _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(some, p, _mm512_castsi512_ps(e));
+}
+"""
+
+_SOURCE = HEADER + r"""
 
 enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
 
@@ -94,27 +120,6 @@ static void pack(const Job *job, int64_t s, int64_t h) {
             dst[2 * d + 1] = have1 ? v1[d] : 0;
         }
     }
-}
-
-/* exp of 16 floats (Cephes' polynomial after r = x - k ln 2), about one ulp of expf;
-   inputs below -87.3 (masked scores: -inf) give 0 */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_GE_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33654f));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k),
-                                                   _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(some, p, _mm512_castsi512_ps(e));
 }
 
 static inline __m512bh bcast(const uint32_t *p) { return (__m512bh)_mm512_set1_epi32((int)*p); }
@@ -524,6 +529,18 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     if (kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous() or block_size % 2
             or q.shape[1] % kv_heads or not is_supported(q)):
         return None
+    lib = _library()
+    assert lib is not None  # is_supported built it
+    return run_paged_decode(lib.paged_decode_bf16, q, kv_cache, layer, block_tables, seq_lens,
+                            max_seq_len, scale, new_kv)
+
+
+def run_paged_decode(kernel: Callable[..., int], q: Tensor, kv_cache: Tensor, layer: int,
+                     block_tables: Tensor, seq_lens: Tensor, max_seq_len: int, scale: float,
+                     new_kv: tuple[Tensor, Tensor] | None) -> Tensor | None:
+    """`decode`'s call of a bf16 paged decode kernel (`paged_decode_bf16`'s arguments):
+    its output, or None when the kernel failed."""
+    _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
     q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     k_new = v_new = None
     if new_kv is not None:
@@ -532,9 +549,7 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()  # long
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     block_elems = block_size * kv_heads * head_dim  # one K (or V) block of one layer
-    lib = _library()
-    assert lib is not None  # is_supported built it
-    status = lib.paged_decode_bf16(
+    status = kernel(
         q.data_ptr(), None if k_new is None else k_new.data_ptr(),
         None if v_new is None else v_new.data_ptr(), q.stride(0),
         0 if k_new is None else k_new.stride(0), 0 if v_new is None else v_new.stride(0),

@@ -1,6 +1,7 @@
-"""Builds and loads the CPU kernels written in C (`cpu_attention`, `cpu_gemm`): compiled
-with the system C compiler on first use, cached under $ASERVE_CACHE_DIR (default
-~/.cache/aserve) by a hash of the source, flags, compiler and CPU, loaded through ctypes.
+"""Builds and loads the CPU kernels written in C (`cpu_attention`, `cpu_gemm` and the
+others): compiled with the system C compiler on first use, cached under $ASERVE_CACHE_DIR
+(default ~/.cache/aserve) by a hash of the source, flags, compiler and CPU, loaded through
+ctypes.
 
 Each kernel is optional: `build` returns None without a compiler, when compiling fails, or
 when ASERVE_CPU_KERNELS=0, and the caller keeps its torch path.
@@ -32,6 +33,34 @@ from models import cpu_isa
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+
+# C shared by the kernels written for whole registers (`cpu_norm`, `cpu_argmax`): GCC/Clang
+# vector extensions of LANES floats, 16 where the CPU has AVX-512 and 8 (an AVX2 register)
+# elsewhere, so that every vector is one register; float32 and bf16 loads, one bf16 widened
+VECTORS = r"""
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
+
+static inline vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
+    vh h; memcpy(&h, p, sizeof h);
+    vu w = __builtin_convertvector(h, vu) << 16;
+    vf v; memcpy(&v, &w, sizeof v); return v;
+}
+static inline float at_bf16(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, sizeof f); return f;
+}
+"""
 
 
 def _cache_dir() -> Path:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_gemm
+from models import cpu_gemm, cpu_norm
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -120,8 +120,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
-    return nn.LayerNorm(width, eps=cfg.layer_norm_eps,
-                        elementwise_affine=cfg.layer_norm_elementwise_affine)
+    # NOTE: a decode batch's norms run in the calling thread (waking the pool costs more)
+    return cpu_norm.LayerNorm(width, eps=cfg.layer_norm_eps,
+                              elementwise_affine=cfg.layer_norm_elementwise_affine)
 
 
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works

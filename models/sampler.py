@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from models import cpu_argmax
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 ALL_TOKENS = -1  # SamplingTensors.num_ranked: rank the whole vocab
 TOP_P_PREFILTER = 256  # tokens ranked first for rows with top-p but no top-k
@@ -388,6 +390,9 @@ def sample(logits: Tensor, st: SamplingTensors) -> SampleResult:
     float64 uniform per row: seeded rows from their own generator, the rest in one
     batched draw from the global RNG.
     """
+    if st.is_all_greedy and st.penalties is None:  # the argmax reads bf16 logits as they are
+        token_ids = argmax(logits)  # [num_seqs]
+        return SampleResult(token_ids, _chosen_logprobs(logits, token_ids, st.logprob_rows))
     raw = logits.float()  # [num_seqs, vocab_size]
     logits = raw if st.penalties is None else st.penalties.apply(raw)  # [num_seqs, vocab_size]
     greedy_ids = argmax(logits)  # [num_seqs]
@@ -404,9 +409,12 @@ def argmax(logits: Tensor) -> Tensor:
     """`logits.argmax(dim=-1)` of a `[num_seqs, vocab_size]` tensor, ties and NaN alike.
 
     NOTE: torch's CPU argmax over a row is a scalar loop, several times slower than its
-    vectorised max: take the max of each block of CDF_BLOCK tokens, the first block holding
-    the row's max, then the first token in that block that holds it.
+    vectorised max: the C kernel of `models.cpu_argmax` where it runs, else take the max of
+    each block of CDF_BLOCK tokens, the first block holding the row's max, then the first
+    token in that block that holds it.
     """
+    if (token_ids := cpu_argmax.argmax(logits)) is not None:
+        return token_ids
     num_seqs, vocab_size = logits.shape
     num_full = vocab_size // CDF_BLOCK
     block_max = logits[:, :num_full * CDF_BLOCK].unflatten(1, (num_full, CDF_BLOCK)).amax(-1)

@@ -1,12 +1,15 @@
-"""The bf16 attention kernels (`models.cpu_bf16_attention`): prompt attention as accurate as
-torch's own bf16 attention against a float64 reference, decode within bf16 rounding of it,
-on every shape the models use, and both used where the CPU has a native bf16 dot product."""
+"""The bf16 attention kernels (`models.cpu_bf16_attention`, `models.cpu_mha_decode`): prompt
+attention as accurate as torch's own bf16 attention against a float64 reference, decode
+within bf16 rounding of it, on every shape the models use, and each used where the CPU has a
+native bf16 dot product."""
+
+from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_bf16_attention
+from models import cpu_bf16_attention, cpu_mha_decode
 from models.attention import AttentionMetadata, get_backend, write_kv
 from tests.models.conftest import dense_reference, make_block_tables, make_kv_cache
 
@@ -104,25 +107,33 @@ def test_backends_use_it_for_bf16_prompts(backend: str, monkeypatch: pytest.Monk
 
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 12, 64), (4, 1, 32),
-                                                        (4, 2, 128)])
+DECODE_CASES = [  # kernel, heads, KV heads, head_dim, block size
+    *((cpu_bf16_attention, *shape, 4) for shape in [(9, 3, 64), (12, 12, 64), (4, 1, 32),
+                                                    (4, 2, 128)]),
+    # block sizes that split its 16-position tiles, every head_dim it has a kernel for
+    *((cpu_mha_decode, *shape) for shape in [(12, 12, 64, 16), (4, 4, 32, 5), (2, 2, 128, 4),
+                                             (3, 3, 96, 16)])]
+
+
+@pytest.mark.parametrize(("kernel", "heads", "kv_heads", "dim", "block_size"), DECODE_CASES)
 @pytest.mark.parametrize("num_seqs", [3, 20])  # one KV head per work item; whole sequences
-def test_decode_matches_float64_and_writes_the_new_kv(heads: int, kv_heads: int, dim: int,
+def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads: int,
+                                                      kv_heads: int, dim: int, block_size: int,
                                                       num_seqs: int) -> None:
-    """One query per sequence over odd and even lengths across blocks: within bf16 rounding
-    of the float64 answer, and this step's K/V land in the cache exactly as write_kv puts
-    them."""
-    torch.manual_seed(num_seqs * dim)
-    lens = [1 + (37 * i) % 150 for i in range(num_seqs)]
-    tables, num_blocks = make_block_tables(lens, 4)
-    kv_cache = make_kv_cache(num_blocks, 2, kv_heads, dim, torch.bfloat16, 4)
+    """One query per sequence over lengths that end inside, at and just past a block and a
+    16-position tile: within bf16 rounding of the float64 answer, and this step's K/V land
+    in the cache exactly as write_kv puts them."""
+    torch.manual_seed(num_seqs * dim + block_size)
+    lens = [(1, 15, 16, 17, 32, 33, 150)[i % 7] + i // 7 for i in range(num_seqs)]
+    tables, num_blocks = make_block_tables(lens, block_size)
+    kv_cache = make_kv_cache(num_blocks, 2, kv_heads, dim, torch.bfloat16, block_size)
     q = torch.randn(num_seqs, heads, dim).to(torch.bfloat16)
     k_new, v_new = torch.randn(2, num_seqs, kv_heads, dim).to(torch.bfloat16)
-    meta = AttentionMetadata.build([1] * num_seqs, lens, tables, 4, "cpu")
+    meta = AttentionMetadata.build([1] * num_seqs, lens, tables, block_size, "cpu")
     want_cache = kv_cache.clone()
     write_kv(want_cache, 1, k_new, v_new, meta.slot_mapping)
-    out = cpu_bf16_attention.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens),
-                                    SCALE, (k_new, v_new))
+    out = kernel.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens), SCALE,
+                        (k_new, v_new))
     assert out is not None and out.dtype == torch.bfloat16
     assert torch.equal(kv_cache, want_cache)
     want = dense_reference(q.double(), want_cache, 1, meta, SCALE)
@@ -130,18 +141,36 @@ def test_decode_matches_float64_and_writes_the_new_kv(heads: int, kv_heads: int,
     assert err.max() < 2e-2 and err.mean() < 2e-3
 
 
-def test_grouped_bf16_decode_takes_the_bf16_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`cpu_attention.decode` hands grouped bf16 queries to this kernel and keeps one query
-    head per KV head (where its own kernel is the faster) for itself."""
+def test_mha_decode_takes_strided_queries_and_declines_the_rest() -> None:
+    """`cpu_mha_decode.decode` takes queries that are a view of a fused QKV projection, and
+    declines (None) grouped queries, float32 queries and head dims it has no kernel for, so
+    that the caller takes another kernel."""
+    lens = [9, 40]
+    tables, num_blocks = make_block_tables(lens, 16)
+    meta = AttentionMetadata.build([1, 1], lens, tables, 16, "cpu")
+    kv_cache = make_kv_cache(num_blocks, 1, 4, 64, torch.bfloat16, 16)
+    qkv = torch.randn(2, 3, 4, 64).to(torch.bfloat16)
+    args = (kv_cache, 0, meta.block_tables, meta.seq_lens, 40, SCALE)
+    out = cpu_mha_decode.decode(qkv[:, 0], *args)
+    want = dense_reference(qkv[:, 0].double(), kv_cache, 0, meta, SCALE)
+    assert out is not None and (out.double() - want).abs().max() < 2e-2
+    assert cpu_mha_decode.decode(torch.randn(2, 8, 64).bfloat16(), *args) is None
+    assert cpu_mha_decode.decode(torch.randn(2, 4, 64), *args) is None
+    wide = make_kv_cache(num_blocks, 1, 4, 256, torch.bfloat16, 16)
+    assert cpu_mha_decode.decode(torch.randn(2, 4, 256).bfloat16(), wide, *args[1:]) is None
+
+
+def test_bf16_decode_takes_the_bf16_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpu_attention.decode` hands grouped bf16 queries to this kernel, and one query head
+    per KV head to `models.cpu_mha_decode`."""
     from models import cpu_attention
     calls = []
-    real = cpu_bf16_attention.decode
+    for module in (cpu_bf16_attention, cpu_mha_decode):
+        def counted(*args, real=module.decode, name=module.__name__):  # type: ignore[no-untyped-def]
+            calls.append((name, args[0].shape[1]))
+            return real(*args)
 
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[0].shape[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_bf16_attention, "decode", counted)
+        monkeypatch.setattr(module, "decode", counted)
     lens = [5, 40]
     tables, num_blocks = make_block_tables(lens, 4)
     meta = AttentionMetadata.build([1, 1], lens, tables, 4, "cpu")
@@ -151,4 +180,4 @@ def test_grouped_bf16_decode_takes_the_bf16_kernel(monkeypatch: pytest.MonkeyPat
         out = cpu_attention.decode(q, kv_cache, 0, meta.block_tables, meta.seq_lens, 40, SCALE)
         want = dense_reference(q.double(), kv_cache, 0, meta, SCALE)
         assert out is not None and (out.double() - want).abs().max() < 2e-2
-    assert calls == [6]
+    assert calls == [("models.cpu_bf16_attention", 6), ("models.cpu_mha_decode", 2)]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from models import cpu_argmax
 from models.sampler import SamplingTensors, argmax, make_generator, sample
 
 CPU = torch.device("cpu")
@@ -202,9 +203,15 @@ def test_greedy_bf16_logits_choose_as_their_float32_widening() -> None:
 
 
 @pytest.mark.parametrize("vocab_size", [7, 256, 300, 50272])
-def test_argmax_matches_torch_with_ties_nan_and_infinities(vocab_size: int) -> None:
+@pytest.mark.parametrize("kernel", [True, False])  # models.cpu_argmax, or the torch blocks
+def test_argmax_matches_torch_with_ties_nan_and_infinities(
+        vocab_size: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel:
+        monkeypatch.setattr(cpu_argmax, "argmax", lambda logits: None)
     torch.manual_seed(vocab_size)
-    logits = torch.randn(8, vocab_size)  # [num_seqs, vocab_size]
+    logits = torch.randn(9, vocab_size)  # [num_seqs, vocab_size]
+    logits[7, -1] = logits[7, vocab_size // 2] = math.nan  # the first NaN, past a larger max
+    logits[7, 0] = 60.0
     logits[1, :] = -math.inf
     logits[2, -1] = logits[2, 0] = 50.0  # a tie between the first block and the tail
     logits[3, vocab_size // 2] = math.nan

@@ -1,0 +1,107 @@
+"""LayerNorm of a few rows on the CPU in one thread, in C, compiled once on first use.
+
+torch's CPU LayerNorm shares its rows out to the OpenMP threads on every call. At a decode
+batch (tens of rows) the norm itself takes a few microseconds, and waking the pool's
+sleeping threads (OMP_WAIT_POLICY=PASSIVE, or a thread parked by the OS) costs several
+times that; OPT runs two norms per layer. `LayerNorm` computes such small inputs in the
+calling thread instead: mean, then the variance about it, in float32 (bf16 values widened
+exactly), the result rounded once to the input's dtype, as torch does. Larger inputs,
+other dtypes and devices take `nn.LayerNorm`'s own path. Built and cached by
+`models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models import cpu_kernels
+
+MAX_ELEMENTS = 1 << 17  # inputs up to this size run in one thread (decode batches)
+
+_SOURCE = cpu_kernels.VECTORS + r"""
+#include <math.h>
+
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline void store_bf16(uint16_t *p, vf v) {  /* nearest even, NaN kept, as torch */
+    vu u; memcpy(&u, &v, sizeof u);
+    const vu nan = (vu)(v != v);
+    u = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (0x7fc0u & nan);
+    vh h = __builtin_convertvector(u, vh); memcpy(p, &h, sizeof h);
+}
+static inline float total(vf v) {  /* lanes added pairwise */
+    float t[LANES]; memcpy(t, &v, sizeof t);
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int j = 0; j < s; j++) t[j] += t[j + s];
+    return t[0];
+}
+
+/* y = (x - mean) / sqrt(var + eps) * w + b per row of n (a multiple of LANES); w, b NULL:
+   no affine. Mean first, then the variance about it, in float32. */
+#define NORM(NAME, T, LOAD, STORE)                                                        \
+static void NAME(const T *x, const T *w, const T *b, T *y, int64_t rows, int64_t n,       \
+                 float eps) {                                                             \
+    for (int64_t r = 0; r < rows; r++, x += n, y += n) {                                  \
+        vf acc = {0};                                                                     \
+        for (int64_t i = 0; i < n; i += LANES) acc += LOAD(x + i);                        \
+        const float mean = total(acc) / (float)n;                                         \
+        acc = (vf){0};                                                                    \
+        for (int64_t i = 0; i < n; i += LANES) {                                          \
+            const vf d = LOAD(x + i) - mean;                                              \
+            acc += d * d;                                                                 \
+        }                                                                                 \
+        const float rstd = 1.0f / sqrtf(total(acc) / (float)n + eps);                     \
+        for (int64_t i = 0; i < n; i += LANES) {                                          \
+            const vf v = (LOAD(x + i) - mean) * rstd;                                     \
+            STORE(y + i, w == NULL ? v : v * LOAD(w + i) + LOAD(b + i));                  \
+        }                                                                                 \
+    }                                                                                     \
+}
+
+NORM(norm_f32, float, load_f32, store_f32)
+NORM(norm_bf16, uint16_t, load_bf16, store_bf16)
+
+int layer_norm(const void *x, const void *w, const void *b, void *y, int64_t rows, int64_t n,
+               float eps, int bf16) {
+    if (bf16) norm_bf16(x, w, b, y, rows, n, eps);
+    else norm_f32(x, w, b, y, rows, n, eps);
+    return 0;
+}
+"""
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_kernels.build("layer_norm", _SOURCE,
+                             [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int])
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters and state dict) that normalizes inputs of up to
+    MAX_ELEMENTS float32 or bf16 elements on the CPU in the calling thread (module
+    docstring), over a last dimension that is a multiple of 16."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        kind = _KINDS.get(x.dtype)
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        affine = len(params) == 2  # a weight without a bias: torch's path
+        if (kind is None or x.device.type != "cpu" or x.numel() > MAX_ELEMENTS
+                or len(self.normalized_shape) != 1 or x.shape[-1] != self.normalized_shape[0]
+                or x.shape[-1] % 16
+                or len(params) == 1 or any(p.dtype != x.dtype for p in params)
+                or torch.is_grad_enabled() or (lib := _library()) is None):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        lib.layer_norm(x.data_ptr(), self.weight.data_ptr() if affine else None,
+                       self.bias.data_ptr() if affine else None, y.data_ptr(),
+                       x.numel() // x.shape[-1], x.shape[-1], self.eps, kind)
+        return y
