@@ -17,6 +17,7 @@ differ by design.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import models
 from aserve import __version__
 from aserve.engine.runner import ModelRunner, WorkItem
 from aserve.engine.sequence import IterationRecord
@@ -79,7 +81,8 @@ def cache_dir() -> Path | None:
 def machine(device: str) -> dict[str, object]:
     """What the step times of ``device`` depend on besides the model: the processor (on a
     CPU with the instruction sets its kernels use: one model name can cover CPUs with and
-    without AVX-512), the threads torch uses, torch's version and this package's."""
+    without AVX-512), the threads torch uses, torch's version, this package's, and the
+    source of its model code (a kernel changed within one version times steps anew)."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
     else:
@@ -87,7 +90,17 @@ def machine(device: str) -> dict[str, object]:
                      if line.startswith("model name")), platform.processor() or "cpu")
         name = f"{name}, {cpu_isa.describe()}"
     return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "aserve": __version__}
+            "aserve": __version__, "models": models_fingerprint()}
+
+
+@functools.cache
+def models_fingerprint() -> str:
+    """A digest of the `models` package's source: its kernels and layers."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(models.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _cpuinfo() -> str:

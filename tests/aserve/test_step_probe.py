@@ -6,6 +6,8 @@ rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from aserve import Engine
@@ -69,13 +71,24 @@ def test_the_fit_is_cached_per_machine_and_probe(tmp_path) -> None:  # type: ign
     assert uncached.source == "probe" and uncached.model.params != first.model.params
 
 
-def test_the_cache_key_names_the_instruction_sets_and_the_version() -> None:
-    """Two CPUs of one model name, with and without AVX-512, or two releases of this
-    package, run different kernels: their step times must not share a calibration."""
+def test_the_cache_key_names_the_instruction_sets_and_the_version(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two CPUs of one model name, with and without AVX-512, two releases of this
+    package, or two versions of its kernels run different code: their step times must not
+    share a calibration."""
     import aserve
-    from aserve.engine.step_probe import machine
+    from aserve.engine import step_probe
     from models import cpu_isa
 
-    key = machine("cpu")
+    key = step_probe.machine("cpu")
     assert cpu_isa.detect().level in str(key["device"])
     assert key["aserve"] == aserve.__version__
+    original = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: original(self) + (
+        b"# edited" if self.name == "opt.py" else b""))
+    step_probe.models_fingerprint.cache_clear()
+    try:
+        assert step_probe.machine("cpu")["models"] != key["models"]
+    finally:
+        monkeypatch.undo()
+        step_probe.models_fingerprint.cache_clear()
+    assert step_probe.machine("cpu")["models"] == key["models"]
