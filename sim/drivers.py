@@ -99,6 +99,8 @@ class Instance:
     def __init__(self, ctx: SimContext, core: Core, device: str | None = None) -> None:
         self.ctx, self.core, self.loop = ctx, core, ctx.loop
         self.device = ctx.devices[device] if device is not None else None
+        if device is not None:
+            ctx.steps[device].users += 1
         self.is_busy = False
         self._is_woken = False  # a wake is scheduled, or came while busy
         self._decided = 0.0  # real seconds of decisions since the last forward
@@ -189,17 +191,18 @@ class Instance:
 
 
 class StepQueue:
-    """One device's forwards, as the engine's `StepQueue` (aserve/engine/runner.py) runs
-    them: with `fuse`, the steps that instances on the device submit while it is busy (or
-    in the same instant) wait and start together as one forward once it is free, each
-    instance finishing with that forward's time; without, each is booked on its own."""
+    """One device's forwards, as the engine's `StepQueue` (aserve/engine/actors.py) runs
+    them: with `fuse` and more than one instance on the device, the steps they submit while
+    it is busy (or in the same instant) wait and start together as one forward once it is
+    free, each instance finishing with that forward's time; else each is booked on its own."""
 
     def __init__(self, ctx: SimContext, device: Device, fuse: bool) -> None:
         self.ctx, self.device, self.fuse = ctx, device, fuse
+        self.users = 0  # the instances on the device (each counts itself in)
         self.waiting: list[tuple[Instance, Forward]] = []
 
     def submit(self, instance: Instance, step: Forward) -> None:
-        if not self.fuse:
+        if not self.fuse or self.users < 2:
             self._run([(instance, step)])
             return
         self.waiting.append((instance, step))

@@ -91,6 +91,7 @@ class Actor:
         if device is not None:
             self.runner = ctx.runners[device]
             self.steps = ctx.steps[device]
+            self.steps.users += 1
 
     def wake(self) -> None:
         """Its core's state changed: act on it once the current step is done."""
@@ -213,17 +214,18 @@ class StepQueue:
     the same KV tensor run as one mixed step instead, as continuous batching mixes prefill
     chunks into decode iterations: each caller gets the outputs of its own items, and the
     whole forward's time with `fused` set. The instances' decisions are their own; only
-    when their steps run is shared. The simulator's devices queue steps the same way
-    (sim/drivers.py `StepQueue`)."""
+    when their steps run is shared. A device with one instance runs its steps straight
+    away. The simulator's devices queue steps the same way (sim/drivers.py `StepQueue`)."""
 
     def __init__(self, runner: Runner, fuse: bool) -> None:
         self.runner, self.fuse = runner, fuse
+        self.users = 0  # the instances on the device (each actor counts itself in)
         self.waiting: list[_Waiting] = []
         self.task: asyncio.Task[None] | None = None
         self.num_fused = 0  # forwards begun over more than one instance's step
 
     async def execute(self, items: list[WorkItem], kv_cache: object) -> StepResult:
-        if not self.fuse:
+        if not self.fuse or self.users < 2:
             return await self.runner.execute(items, kv_cache)
         future = asyncio.get_running_loop().create_future()
         self.waiting.append(_Waiting(items, kv_cache, future))
@@ -237,9 +239,9 @@ class StepQueue:
                 # the instances the last step woke submit their next one before it starts
                 await asyncio.sleep(0)
                 kv_cache = self.waiting[0].kv_cache
-                steps = [w for w in self.waiting if w.kv_cache is kv_cache]
+                steps = [w for w in self.waiting  # not those whose caller was cancelled
+                         if w.kv_cache is kv_cache and not w.future.done()]
                 self.waiting = [w for w in self.waiting if w.kv_cache is not kv_cache]
-                steps = [w for w in steps if not w.future.done()]  # a caller cancelled
                 if steps:
                     await self._run(steps, kv_cache)
         except asyncio.CancelledError:  # the loop shuts down: so do the steps waiting
