@@ -34,18 +34,18 @@ setup: $(VENV)/.installed-test
 
 run: serve
 
-# NOTE: the GNU OpenMP runtime torch ships spins its idle threads, which slows decode steps
-# badly on a shared CPU; idle threads sleep instead, and vLLM's libiomp5 is preloaded when
-# `make peers` has installed it (vLLM's own runtime).
+# NOTE: vLLM's libiomp5 is preloaded when `make peers` has installed it (vLLM's own
+# runtime). Idle OpenMP threads spin briefly before they sleep (aserve/__init__.py);
+# OMP_WAIT_POLICY=PASSIVE makes them sleep at once, for a CPU shared with busy processes.
 IOMP := $(wildcard $(CURDIR)/.venv-vllm/lib/libiomp5.so)
 serve: $(VENV)/.installed-serve
-	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LD_PRELOAD="$(IOMP) $$LD_PRELOAD" \
-		$(BIN)/aserve serve --model $(MODEL)
+	LD_PRELOAD="$(IOMP) $$LD_PRELOAD" $(BIN)/aserve serve --model $(MODEL)
 
 # NOTE: two worker processes, one test file each at a time (module fixtures load a model
-# once per file): most of the suite waits on servers, subprocesses and sockets
+# once per file): most of the suite waits on servers, subprocesses and sockets. Their
+# OpenMP threads share the cores, so idle ones sleep at once instead of spinning.
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
 		-m "not bench and not soak and not gpu" tests
 
 test-all: $(VENV)/.installed-bench

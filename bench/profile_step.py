@@ -191,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     for phase in args.phases.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for penalties in (False, True) if args.penalties else (False,):
-                ms, parts = profile_step(runner, batch, args.context, phase, args.repeats,
-                                         penalties, args.dtype)
+                # in the runner's thread, as the engine runs steps (OpenMP's teams, runner.py)
+                ms, parts = runner.executor.submit(
+                    profile_step, runner, batch, args.context, phase, args.repeats, penalties,
+                    args.dtype).result()
                 cells = " | ".join(f"{parts.get(k, 0.0):.0f}"
                                    for k in (*PARTS, "other", "copies"))
                 label = f"{phase}+penalties" if penalties else phase

@@ -140,9 +140,12 @@ class Engine:
     async def _open_kv(self, geometry: KVGeometry, runners: dict[str, Any],
                        uses_pool: bool) -> KVSpace:
         """Every KV store of the engine, with its tensors."""
-        # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while
-        return await asyncio.to_thread(KVSpace, self.config, geometry,
-                                       {dev: r.executor for dev, r in runners.items()})
+        # NOTE: off the event loop: allocating (and pinning) a large host pool takes a while.
+        # In the CPU device's thread where there is one: the stores' null blocks are zeroed
+        # by OpenMP threads, and the runner keeps all OpenMP work in one thread (runner.py).
+        executors = {dev: r.executor for dev, r in runners.items()}
+        return await asyncio.get_running_loop().run_in_executor(
+            executors.get("cpu"), KVSpace, self.config, geometry, executors)
 
     async def _probe(self, max_len: int) -> list[IterationRecord]:
         """The start-up probe's timed decode steps on the first decode device."""

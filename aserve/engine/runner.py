@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+import aserve
 from aserve.engine.config import ModelConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.host import tune_host_allocator
@@ -91,6 +92,19 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
+        # NOTE: all of the device's torch work (loading, prepacking, steps, CPU copies) runs
+        # in this one thread. Every thread that opens an OpenMP parallel region keeps a team
+        # of threads until it exits, and GNU OpenMP stops spinning idle threads (aserve's
+        # default, aserve/__init__.py) while its teams' threads outnumber the cores.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
+        try:
+            self.executor.submit(self._load, config, device).result()
+        except BaseException:
+            self.executor.shutdown(wait=False)
+            raise
+        self.fault_hook: Callable[[], None] | None = None
+
+    def _load(self, config: ModelConfig, device: torch.device) -> None:
         self.model: OPTForCausalLM
         self.model_config: OPTConfig
         self.model, self.model_config = load_model(
@@ -105,18 +119,17 @@ class ModelRunner:
         packed = fit_matmuls_to(self.model, device)
         if device.type == "cpu":
             prepacked = any(isinstance(m, HalfLinear) for m in self.model.modules())
-            logger.info("CPU: %s; %s model: linear layers in %s", cpu_isa.describe(),
-                        config.dtype, "prepacked float32" if packed else
-                        f"prepacked {config.dtype}" if prepacked else config.dtype)
+            logger.info("CPU: %s; %s model: linear layers in %s; %d threads, idle ones: %s",
+                        cpu_isa.describe(), config.dtype, "prepacked float32" if packed else
+                        f"prepacked {config.dtype}" if prepacked else config.dtype,
+                        torch.get_num_threads(), aserve.OPENMP_WAITS)
         self.backend = get_backend(config.attention)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:
-            max_blocks = -(-self.model_config.max_position_embeddings // block_size)
-            self.graphs = DecodeGraphs(self.model, self.backend, block_size, max_blocks)
+            max_blocks = -(-self.model_config.max_position_embeddings // self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, max_blocks)
         # each sequence's penalty counts, kept between steps (touched in the worker thread only)
         self.penalty_counts = PenaltyCounts(self.model_config.vocab_size, device)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aserve-{device}")
-        self.fault_hook: Callable[[], None] | None = None
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Runs `fn(*args)` in this device's worker thread."""
