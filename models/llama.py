@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import AttentionBackend, AttentionMetadata
+from models.cpu_norm import RMSNorm
 from models.opt import Float32Linear, HalfLinear, linear_add, pack_linears, silu_mul
 from models.registry import LLAMA_ARCHITECTURES as ARCHITECTURES
 from models.registry import architecture
@@ -140,20 +141,6 @@ def inverse_frequencies(cfg: LlamaConfig) -> Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 (as transformers' LlamaRMSNorm)."""
-
-    def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)  # type: ignore[no-any-return]
 
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
-"""`models.cpu_norm.LayerNorm`: the one-thread C LayerNorm of small inputs is within rounding
-of the float64 answer, as close as torch's own, with and without affine parameters; other
-inputs take torch's path unchanged."""
+"""`models.cpu_norm.LayerNorm` and `RMSNorm`: the one-thread C norms of small inputs are
+within rounding of the float64 answer, as close as torch's own (LayerNorm with and without
+affine parameters; RMSNorm bit-exact in bf16 with transformers' LlamaRMSNorm); other inputs
+take torch's path unchanged."""
 
 import pytest
 import torch
@@ -61,3 +62,51 @@ def test_other_inputs_take_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(8, 64, requires_grad=True)
     cpu_norm.LayerNorm(64)(x).sum().backward()
     assert len(calls) == 1 and x.grad is not None
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, as written there."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 576), (48, 576), (3, 5, 64)])
+def test_rms_norm_matches_llamas(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(shape[0] * shape[-1])
+    norm = cpu_norm.RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    with torch.inference_mode():
+        ours, theirs = norm(x), llama_rms_norm(x, norm.weight, norm.eps)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    if dtype == torch.bfloat16:  # the row rounded to bf16, then times the weight: both exact
+        assert (ours.view(torch.int16) == theirs.view(torch.int16)).float().mean() > 0.999
+    want = llama_rms_norm(x.double(), norm.weight.double(), norm.eps)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
+    slack = 2 * ulp * want.abs() + 1e-6
+    assert ((ours.double() - want).abs() <= (theirs.double() - want).abs() + slack).all()
+
+
+def test_rms_norm_of_other_inputs_takes_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = cpu_norm._library()
+    assert real is not None
+
+    class Counted:
+        def rms_norm(self, *args: object) -> int:
+            calls.append(args)
+            return int(real.rms_norm(*args))
+
+    monkeypatch.setattr(cpu_norm, "_library", lambda: Counted())
+    norm = cpu_norm.RMSNorm(64, 1e-6)
+    with torch.inference_mode():
+        norm(torch.randn(8, 64))
+        assert len(calls) == 1
+        norm(torch.randn(cpu_norm.MAX_ELEMENTS // 64 + 1, 64))
+        cpu_norm.RMSNorm(40, 1e-6)(torch.randn(8, 40))
+        norm(torch.randn(8, 64, dtype=torch.bfloat16))  # weight float32, input bf16
+        norm.double()(torch.randn(8, 64, dtype=torch.float64))
+    assert len(calls) == 1
