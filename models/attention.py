@@ -432,7 +432,7 @@ def _prefill(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, s
 
     seqs = [(start, q_len, meta.seq_lens_list[i], *kv_of(i, start, q_len))
             for i, start, q_len in prompts]
-    if seqs and cpu_bf16_attention.is_supported(q):
+    if seqs and cpu_bf16_attention.takes_prompts(q):
         out = cpu_bf16_attention.prefill(q, seqs, scale)
         if out is not None:
             return out

@@ -21,6 +21,11 @@ models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on eac
 p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query heads that
 share it, the next block prefetched into L2.
 
+With AMX the balance turns: torch's flash attention hands its tiles to oneDNN, whose GEMMs
+run on the AMX tile units, and it computes prompts of 128 tokens and more 1.7-2.4x faster
+than `prefill` (docs/results-cpu.md), so `takes_prompts` is false there and prompts go to
+torch's SDPA; decode, a pass over the cache with one query per head, stays here.
+
 Optional, as torch's `scaled_dot_product_attention` stays the reference: each returns
 None where its kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
 multiple of 32, no C compiler), and the caller keeps its torch path. Built and cached by
@@ -40,6 +45,7 @@ from torch import Tensor
 from models import cpu_isa, cpu_kernels
 
 NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
+PROMPT_LEVELS = ("AVX-512-bf16",)  # where `prefill` beats torch's SDPA (module docstring)
 
 # C shared with the other AVX-512 BF16 kernels (`models.cpu_mha_decode`)
 HEADER = r"""
@@ -473,6 +479,11 @@ def is_supported(q: Tensor) -> bool:
     """Whether `prefill` runs for queries like `q` on this machine."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
             and cpu_isa.detect().level in NATIVE_BF16_LEVELS and _library() is not None)
+
+
+def takes_prompts(q: Tensor) -> bool:
+    """Whether prompt queries like `q` should go to `prefill` rather than torch's SDPA."""
+    return is_supported(q) and cpu_isa.detect().level in PROMPT_LEVELS
 
 
 def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: float

@@ -3,13 +3,14 @@ attention as accurate as torch's own bf16 attention against a float64 reference,
 within bf16 rounding of it, on every shape the models use, and each used where the CPU has a
 native bf16 dot product."""
 
+import dataclasses
 from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models import cpu_bf16_attention, cpu_mha_decode
+from models import cpu_bf16_attention, cpu_isa, cpu_mha_decode
 from models.attention import AttentionMetadata, get_backend, write_kv
 from tests.models.conftest import dense_reference, make_block_tables, make_kv_cache
 
@@ -78,11 +79,24 @@ def test_unsupported_inputs_fall_back() -> None:
     assert cpu_bf16_attention.prefill(q16, [(0, 8, 8, k16, v16)], SCALE) is None
 
 
+@pytest.mark.parametrize(("level", "takes"), [("AVX-512-bf16", True), ("AMX", False)])
+def test_prompts_go_to_the_kernel_where_it_beats_torchs_sdpa(
+        level: str, takes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX, torch's flash attention runs its GEMMs on the tile units and prompts go to
+    it; with AVX-512 BF16 alone, to the kernel."""
+    isa = cpu_isa.detect()
+    monkeypatch.setattr(cpu_isa, "detect", lambda: dataclasses.replace(isa, level=level))
+    assert cpu_bf16_attention.takes_prompts(torch.empty(4, 2, 64, dtype=torch.bfloat16)) is takes
+    assert not cpu_bf16_attention.takes_prompts(torch.empty(4, 2, 64))  # float32: never
+
+
 @pytest.mark.parametrize("backend", ["paged", "padded"])
 def test_backends_use_it_for_bf16_prompts(backend: str, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     """A mixed bf16 step (fresh prompts, a chunk over a cached prefix, decode rows) goes
-    through the kernel once per layer, and matches attention over the cache."""
+    through the kernel once per layer, and matches attention over the cache (on a CPU whose
+    prompts it takes, as it would on any other)."""
+    monkeypatch.setattr(cpu_bf16_attention, "PROMPT_LEVELS", (cpu_isa.detect().level,))
     calls = []
     real = cpu_bf16_attention.prefill
 
