@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 
-# C shared by the kernels written for whole registers (`cpu_norm`, `cpu_argmax`): GCC/Clang
-# vector extensions of LANES floats, 16 where the CPU has AVX-512 and 8 (an AVX2 register)
-# elsewhere, so that every vector is one register; float32 and bf16 loads, one bf16 widened
+# C shared by the kernels written for whole registers (`cpu_norm`, `cpu_rotary`,
+# `cpu_argmax`): GCC/Clang vector extensions of LANES floats, 16 where the CPU has AVX-512
+# and 8 (an AVX2 register) elsewhere, so that every vector is one register; float32 and bf16
+# loads and stores (rounded to the nearest even, as torch), one bf16 widened
 VECTORS = r"""
 #include <stdint.h>
 #include <string.h>
@@ -59,6 +60,18 @@ static inline vf load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top h
 }
 static inline float at_bf16(const uint16_t *p, int64_t i) {
     uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, sizeof f); return f;
+}
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf same_f32(vf v) { return v; }
+static inline vf round_bf16(vf v) {  /* to the nearest even bf16, NaN kept, as torch */
+    vu u; memcpy(&u, &v, sizeof u);
+    const vu nan = (vu)(v != v);
+    u = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u & ~nan) | (0x7fc00000u & nan);
+    memcpy(&v, &u, sizeof v); return v;
+}
+static inline void store_bf16(uint16_t *p, vf v) {
+    vu u; v = round_bf16(v); memcpy(&u, &v, sizeof u);
+    vh h = __builtin_convertvector(u >> 16, vh); memcpy(p, &h, sizeof h);
 }
 """
 

@@ -16,6 +16,7 @@ dtypes and devices take torch's own path. Built and cached by `models.cpu_kernel
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import cache
 
 import torch
@@ -29,13 +30,6 @@ MAX_ELEMENTS = 1 << 17  # inputs up to this size run in one thread (decode batch
 _SOURCE = cpu_kernels.VECTORS + r"""
 #include <math.h>
 
-static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline void store_bf16(uint16_t *p, vf v) {  /* nearest even, NaN kept, as torch */
-    vu u; memcpy(&u, &v, sizeof u);
-    const vu nan = (vu)(v != v);
-    u = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (0x7fc0u & nan);
-    vh h = __builtin_convertvector(u, vh); memcpy(p, &h, sizeof h);
-}
 static inline float total(vf v) {  /* lanes added pairwise */
     float t[LANES]; memcpy(t, &v, sizeof t);
     for (int s = LANES / 2; s > 0; s /= 2)
@@ -68,24 +62,19 @@ static void NAME(const T *x, const T *w, const T *b, T *y, int64_t rows, int64_t
 NORM(norm_f32, float, load_f32, store_f32)
 NORM(norm_bf16, uint16_t, load_bf16, store_bf16)
 
-static inline vf same_f32(vf v) { return v; }
-static inline vf round_bf16(vf v) {  /* to the nearest bf16, kept in a float */
-    vu u; memcpy(&u, &v, sizeof u);
-    const vu nan = (vu)(v != v);
-    u = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u & ~nan) | (0x7fc00000u & nan);
-    memcpy(&v, &u, sizeof v); return v;
-}
-
 /* y = w * T(x * rsqrt(mean(x^2) + eps)) per row of n (a multiple of LANES), in float32:
    transformers' LlamaRMSNorm, the normalized row rounded to T before the weight. */
 #define RMS(NAME, T, LOAD, ROUND, STORE)                                                  \
-static void NAME(const T *x, const T *w, T *y, int64_t rows, int64_t n, float eps) {      \
-    for (int64_t r = 0; r < rows; r++, x += n, y += n) {                                  \
+static void NAME(const T *x, const T *w, T *y, int64_t rows, int64_t n, float eps,        \
+                 int threads) {                                                           \
+    _Pragma("omp parallel for num_threads(threads) if (threads > 1)")                     \
+    for (int64_t r = 0; r < rows; r++) {                                                  \
+        const T *xr = x + r * n;                                                          \
         vf acc = {0};                                                                     \
-        for (int64_t i = 0; i < n; i += LANES) { const vf v = LOAD(x + i); acc += v * v; } \
+        for (int64_t i = 0; i < n; i += LANES) { const vf v = LOAD(xr + i); acc += v * v; } \
         const float scale = 1.0f / sqrtf(total(acc) / (float)n + eps);                    \
         for (int64_t i = 0; i < n; i += LANES)                                            \
-            STORE(y + i, ROUND(LOAD(x + i) * scale) * LOAD(w + i));                       \
+            STORE(y + r * n + i, ROUND(LOAD(xr + i) * scale) * LOAD(w + i));              \
     }                                                                                     \
 }
 
@@ -93,9 +82,9 @@ RMS(rms_f32, float, load_f32, same_f32, store_f32)
 RMS(rms_bf16, uint16_t, load_bf16, round_bf16, store_bf16)
 
 int rms_norm(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps,
-             int bf16) {
-    if (bf16) rms_bf16(x, w, y, rows, n, eps);
-    else rms_f32(x, w, y, rows, n, eps);
+             int bf16, int threads) {
+    if (bf16) rms_bf16(x, w, y, rows, n, eps, threads);
+    else rms_f32(x, w, y, rows, n, eps, threads);
     return 0;
 }
 
@@ -114,19 +103,24 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib = cpu_kernels.build("layer_norm", _SOURCE,
-                            [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int])
+    argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    # NOTE: -fopenmp links the libgomp torch has loaded (one pool of threads), as the
+    # attention kernels do; without OpenMP every input is normalized in one thread.
+    lib = (cpu_kernels.build("layer_norm", _SOURCE, argtypes, ("-fopenmp",))
+           or cpu_kernels.build("layer_norm", _SOURCE, argtypes))
     if lib is not None:
-        lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int,
+                                 ctypes.c_int]
         lib.rms_norm.restype = ctypes.c_int
     return lib
 
 
-def in_one_thread(x: Tensor, width: int, params: list[Tensor]) -> int | None:
-    """The kernel's dtype code for normalizing `x` over its last dimension (`width`) with
-    `params` in the calling thread, or None where torch's path must run."""
+def kernel_kind(x: Tensor, width: int, params: list[Tensor], limit: float = MAX_ELEMENTS
+                ) -> int | None:
+    """The kernel's dtype code for normalizing `x` (up to `limit` elements) over its last
+    dimension (`width`) with `params`, or None where torch's path must run."""
     kind = _KINDS.get(x.dtype)
-    if (kind is None or x.device.type != "cpu" or x.numel() > MAX_ELEMENTS
+    if (kind is None or x.device.type != "cpu" or x.numel() > limit
             or x.dim() == 0 or x.shape[-1] != width or width % 16
             or any(p.dtype != x.dtype for p in params) or torch.is_grad_enabled()
             or _library() is None):
@@ -143,7 +137,7 @@ class LayerNorm(nn.LayerNorm):
         params = [p for p in (self.weight, self.bias) if p is not None]
         affine = len(params) == 2  # a weight without a bias: torch's path
         if (len(self.normalized_shape) != 1 or len(params) == 1
-                or (kind := in_one_thread(x, self.normalized_shape[0], params)) is None):
+                or (kind := kernel_kind(x, self.normalized_shape[0], params)) is None):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         x = x.contiguous()
         y = torch.empty_like(x)
@@ -155,9 +149,10 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 (as transformers' LlamaRMSNorm): inputs
-    of up to MAX_ELEMENTS float32 or bf16 elements on the CPU in the calling thread (module
-    docstring), over a last dimension that is a multiple of 16."""
+    """Root-mean-square norm, computed in float32 (as transformers' LlamaRMSNorm), of
+    float32 or bf16 inputs on the CPU over a last dimension that is a multiple of 16: up to
+    MAX_ELEMENTS in the calling thread (module docstring), larger ones (prompts) a share of
+    the rows per OpenMP thread."""
 
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
@@ -165,7 +160,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if (kind := in_one_thread(x, self.weight.shape[0], [self.weight])) is None:
+        if (kind := kernel_kind(x, self.weight.shape[0], [self.weight], math.inf)) is None:
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * x32.to(x.dtype)  # type: ignore[no-any-return]
@@ -173,5 +168,6 @@ class RMSNorm(nn.Module):
         y = torch.empty_like(x)
         _library().rms_norm(  # type: ignore[union-attr]
             x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
-            x.shape[-1], self.eps, kind)
+            x.shape[-1], self.eps, kind,
+            1 if x.numel() <= MAX_ELEMENTS else torch.get_num_threads())
         return y

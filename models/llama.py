@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models import cpu_rotary
 from models.attention import AttentionBackend, AttentionMetadata
 from models.cpu_norm import RMSNorm
 from models.opt import Float32Linear, HalfLinear, linear_add, pack_linears, silu_mul
@@ -147,6 +148,9 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotary embedding of `[n, heads, head_dim]` with `[n, head_dim]` cos and sin, the
     sin's first half negated (`rotary_tables`): x * cos + rotate_half(x) * sin, where
     rotate_half(x) = (-x2, x1) is x with its halves swapped (`roll`) times that sign."""
+    out = cpu_rotary.rotate(x, cos, signed_sin)
+    if out is not None:
+        return out
     half = x.shape[-1] // 2
     return torch.addcmul(x * cos[:, None, :], x.roll(half, -1), signed_sin[:, None, :])
 

@@ -104,9 +104,23 @@ def test_rms_norm_of_other_inputs_takes_torchs_path(monkeypatch: pytest.MonkeyPa
     norm = cpu_norm.RMSNorm(64, 1e-6)
     with torch.inference_mode():
         norm(torch.randn(8, 64))
-        assert len(calls) == 1
-        norm(torch.randn(cpu_norm.MAX_ELEMENTS // 64 + 1, 64))
         cpu_norm.RMSNorm(40, 1e-6)(torch.randn(8, 40))
         norm(torch.randn(8, 64, dtype=torch.bfloat16))  # weight float32, input bf16
         norm.double()(torch.randn(8, 64, dtype=torch.float64))
     assert len(calls) == 1
+
+
+def test_rms_norm_of_a_prompt_shares_its_rows_out() -> None:
+    """Past MAX_ELEMENTS (a prompt's rows) every OpenMP thread takes a share of the rows,
+    and the answer is the same as one thread's."""
+    torch.manual_seed(5)
+    norm = cpu_norm.RMSNorm(576, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    x = torch.randn(cpu_norm.MAX_ELEMENTS // 576 * 3 + 7, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        ours = norm(x)
+        rows = torch.cat([norm(part) for part in x.split(64)])  # each in one thread
+    assert torch.equal(ours, rows)
+    assert (ours.view(torch.int16) == llama_rms_norm(x, norm.weight, norm.eps).view(
+        torch.int16)).float().mean() > 0.999
