@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from functools import cache
 
 import torch
@@ -115,7 +116,7 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def kernel_kind(x: Tensor, width: int, params: list[Tensor], limit: float = MAX_ELEMENTS
+def kernel_kind(x: Tensor, width: int, params: Sequence[Tensor], limit: float = MAX_ELEMENTS
                 ) -> int | None:
     """The kernel's dtype code for normalizing `x` (up to `limit` elements) over its last
     dimension (`width`) with `params`, or None where torch's path must run."""
