@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -280,3 +282,32 @@ def test_packed_panels_do_not_depend_on_huge_pages(monkeypatch: pytest.MonkeyPat
     without = cpu_gemm.pack(w)
     assert torch.equal(with_advice, without)
     assert torch.equal(with_advice[1, :, 3], w[16 + 3])  # panel 1, column 3 = output row 19
+
+
+SPINNING = """
+import torch
+from models import cpu_gemm
+torch.manual_seed(0)
+torch.set_num_threads(2)
+w = torch.randn(300, 96)
+packed = cpu_gemm.pack(w)
+for rows in [1, 7, 64] * 20:  # back-to-back calls: helpers spinning for the next job
+    x = torch.randn(rows, 96)
+    out = cpu_gemm.linear(x, packed, 300)
+    assert out is not None and torch.allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("waits", [{"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "PASSIVE"}])
+def test_helpers_that_spin_or_sleep_between_calls_compute_the_same(waits: dict[str, str]
+                                                                   ) -> None:
+    """The helpers spin for the next job before they sleep (GOMP_SPINCOUNT), or sleep at
+    once (OMP_WAIT_POLICY=PASSIVE, as `make test` runs); both give torch's product."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", SPINNING], capture_output=True, text=True,
+                         env={**env, **waits}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
