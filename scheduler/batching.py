@@ -31,6 +31,7 @@ class SeqView:
     batch_id: int = -1  # candidate batch it was admitted with (-1: a single request)
     waiting_since: float | None = None  # its last progress, e.g. last token (None: arrival)
     num_returns: int = 0  # times a policy has sent it back to the host pool mid-decode
+    num_output_tokens: int = 0  # tokens it has generated so far (the first, from prefill, too)
 
     @property
     def wait_start(self) -> float:
