@@ -22,6 +22,8 @@ from scheduler.batching import (
     BoundaryView,
     SeqView,
     by_arrival,
+    by_output,
+    by_output_desc,
     ceil_div,
     growth,
     oldest_wait,
@@ -281,9 +283,9 @@ class AlignedPolicy(AlignedStrictPolicy):
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
         room, evict the old batch's longest, then the current batch's. Where grouping cannot
-        pay (``alignment_pays`` over the pool and the lengths at hand), the batch is kept as
-        wide as the blocks allow, by ``aligned-loose``'s rules (evict the longest first, admit
-        closest in length first, past one that does not fit yet).
+        pay (``alignment_pays`` over the pool and the lengths at hand), the seqs with the most
+        output left run first (``_plan_by_output_left``: evict the seqs with the most tokens
+        generated first, admit those with the fewest first, past one that does not fit yet).
         Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first,
         strictly in the order they stalled (nothing else joins until they do). Otherwise,
         with ``HEADROOM_STEPS`` of
@@ -310,14 +312,9 @@ class AlignedPolicy(AlignedStrictPolicy):
                 batch_wait is not None and self._past_threshold(view, batch_wait)):
             return super().plan_boundary(view)
         running = [s.length for s in view.running]
-        # NOTE: where grouping cannot pay (over the pool nor over the lengths at hand), a
-        # step costs its total work, and a batch's time per token falls only as it widens.
-        # So the boundary keeps the most seqs running that the blocks hold: evictions take
-        # the longest first (the fewest seqs out for the room), and candidates join closest
-        # in length first, past one that does not fit yet (``aligned-loose``'s rules).
         if not self.alignment_pays([*running, *(s.length for s in (
                 *view.candidate_requests, *view.candidate_batch))]):
-            return super().plan_boundary(view)
+            return self._plan_by_output_left(view)
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
@@ -351,6 +348,34 @@ class AlignedPolicy(AlignedStrictPolicy):
         if len(view.running) > floor:
             return plan
         return self._switch_to(view, batch, unswitched=plan)
+
+    @staticmethod
+    def _plan_by_output_left(view: BoundaryView) -> BoundaryPlan:
+        """The boundary where grouping cannot pay: short of room, evict the seqs with the
+        most tokens generated first; otherwise admit the candidates (requests and batch
+        together) with the fewest generated first, past one that does not fit yet.
+
+        NOTE: where a step costs its total work, every schedule reads the same KV, and what
+        it pays beyond that is a step's fixed part per step: the run's length in steps. While
+        a backlog keeps the blocks full, the order of the seqs does not change it; the tail
+        does, once the last seq admitted decodes what it has left with the blocks half empty.
+        A policy does not know outputs, but the fewer tokens a seq has generated, the more it
+        has left, so the seqs with the most output left (fresh ones first) run first and
+        those nearly done wait; a wait then also falls on the seq that spreads it over the
+        most tokens (TPOT). By length (evict the longest, admit the closest in length first,
+        ``aligned-loose``'s rules), the long prompts were evicted again and again, and a
+        fresh one among them, passed by evicted seqs at every boundary, decoded its whole
+        output alone at the end. Admission still passes a seq that does not fit yet, so the
+        batch stays as wide as the blocks allow."""
+        evict = plan_evictions(view, lambda: by_output_desc(view.running))
+        if evict:
+            return BoundaryPlan(evict=evict)
+        plan = plan_admissions(view, (), by_output((*view.candidate_requests,
+                                                    *view.candidate_batch)), is_strict=False)
+        requests = {s.seq_id for s in view.candidate_requests}
+        return BoundaryPlan(
+            admit_requests=tuple(i for i in plan.admit_batch if i in requests),
+            admit_batch=tuple(i for i in plan.admit_batch if i not in requests))
 
     @staticmethod
     def _victims(view: BoundaryView) -> list[SeqView]:

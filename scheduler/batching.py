@@ -31,6 +31,7 @@ class SeqView:
     batch_id: int = -1  # candidate batch it was admitted with (-1: a single request)
     waiting_since: float | None = None  # its last progress, e.g. last token (None: arrival)
     num_returns: int = 0  # times a policy has sent it back to the host pool mid-decode
+    num_output_tokens: int = 0  # tokens it has generated so far (the first, from prefill, too)
 
     @property
     def wait_start(self) -> float:
@@ -119,6 +120,20 @@ def by_arrival(seqs: Iterable[SeqView]) -> list[SeqView]:
     arrival: the same order as one sort on (arrival, id), and faster over a large candidate
     batch whose arrivals tie (it is sorted at every boundary it waits)."""
     return sorted(sorted(seqs, key=BY_ID), key=BY_ARRIVAL)
+
+
+def by_output_desc(seqs: Iterable[SeqView]) -> list[SeqView]:
+    """Most tokens generated first (the least output left, for all a policy knows); among
+    equal counts the shortest first (it fits back into the least room), then the latest
+    arrival, then by id."""
+    return sorted(seqs, key=lambda s: (-s.num_output_tokens, s.length, -s.arrival_time,
+                                       s.seq_id))
+
+
+def by_output(seqs: Iterable[SeqView]) -> list[SeqView]:
+    """Fewest tokens generated first (the most output left, for all a policy knows); among
+    equal counts oldest first, then by id."""
+    return sorted(by_arrival(seqs), key=lambda s: s.num_output_tokens)
 
 
 def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:

@@ -211,6 +211,7 @@ def seq_views(seqs: Iterable[SeqState], kv: BlockLedger) -> tuple[SeqView, ...]:
     before that."""
     return tuple(SeqView(s.seq_id, s.num_tokens, kv.blocks_for(s.num_computed_tokens),
                          s.request.arrival_time, s.batch_id,
-                         s.token_times[-1] if s.token_times else None, s.num_returns)
+                         s.token_times[-1] if s.token_times else None, s.num_returns,
+                         s.num_output_tokens)
                  for s in seqs)
 

@@ -124,18 +124,35 @@ def padded_cost(lengths: object) -> float:
 
 
 def test_aligned_keeps_the_batch_wide_where_a_step_costs_its_total_work() -> None:
-    """Under a total-work (paged, split-K) cost only a wider batch lowers the time per
-    token: the longest seq is evicted (the fewest out for the room), where fcfs evicts the
-    latest arrival, and a candidate that does not fit yet lets the next one in."""
-    running = [seq("first", 65, arrival=1.0), seq("last", 17, arrival=9.0),
-               seq("mid", 33, arrival=5.0)]
+    """Under a total-work (paged, split-K) cost a candidate that does not fit yet lets the
+    next one in, where fcfs stops at it."""
     total_work = get_policy("aligned", PolicyConfig())  # the default: split-K's total work
-    assert total_work.plan_boundary(view(running, 2)).evict == ("first",)
-    assert plan("fcfs", view(running, 2)).evict == ("last",)
     requests = (seq("late", 20, 2, arrival=2.0), seq("early", 300, 19, arrival=1.0))
     assert plan("fcfs", view([], 10, requests=requests)) == BoundaryPlan()
     assert total_work.plan_boundary(view([], 10, requests=requests)).admit_requests == (
         "late",)
+
+
+def test_aligned_runs_the_most_output_left_first_where_a_step_costs_its_total_work() -> None:
+    """Under a total-work cost the run's length in steps is set by its tail: the seqs
+    with the most output left (the fewest tokens generated) run first, and those nearly
+    done wait. The victim is the seq with the most tokens generated, not the longest; a
+    fresh candidate-batch seq goes before an evicted seq of the running batch's length."""
+    def out(seq_view: SeqView, generated: int) -> SeqView:
+        return replace(seq_view, num_output_tokens=generated)
+
+    total_work = get_policy("aligned", PolicyConfig())
+    running = [out(seq("long-fresh", 65), 2), out(seq("short-done", 17), 40),
+               out(seq("mid", 33), 10)]  # each needs one more block
+    assert total_work.plan_boundary(view(running, 2)).evict == ("short-done",)
+    running = [out(seq("r1", 100, 7), 20), out(seq("r2", 110, 7), 20)]  # no growth
+    evicted = out(seq("evicted", 105, 7), 60)  # the running batch's length, nearly done
+    fresh = out(seq("fresh", 400, 26), 1)  # a long prompt, its whole output left
+    got = total_work.plan_boundary(view(running, 26, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_batch=("fresh",))
+    # with room for both, both go in
+    got = total_work.plan_boundary(view(running, 40, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
 
 
 def test_aligned_refills_closest_in_length_where_padding_costs() -> None:

@@ -40,16 +40,24 @@ def test_without_starvation_candidate_requests_go_first_where_grouping_pays() ->
 
 def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> None:
     """Under a total-work step cost (the default, as paged attention's on a CPU) the
-    boundary admits what keeps the batch widest, the newer candidate request first, and the
+    boundary admits the seqs with the most output left first (the fewest tokens generated),
+    past one that does not fit yet: the candidate request with the fewer tokens first, the
     older candidate batch as room allows; once it starves it goes first."""
+    def fresher(free_blocks: int) -> BoundaryView:
+        return dataclasses.replace(
+            view(now=10.0), free_blocks=free_blocks,
+            candidate_requests=(SeqView("m0", 41, 3, arrival_time=9.5, num_output_tokens=1),),
+            candidate_batch=(SeqView("long", 60, 4, arrival_time=0.0, batch_id=2,
+                                     num_output_tokens=2),))
+
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
-        view(now=10.0))
+        fresher(6))
     assert plan.admit_requests == ("m0",) and plan.admit_batch == ()  # 3 + 4 > 6 blocks
-    wide = dataclasses.replace(view(now=10.0), free_blocks=16)
-    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(wide)
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
+        fresher(16))
     assert plan.admit_batch == ("long",) and plan.admit_requests == ("m0",)
     plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(
-        view(now=10.0))
+        fresher(6))
     assert plan.admit_batch == ("long",) and plan.admit_requests == ()
 
 
