@@ -82,10 +82,7 @@ def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
-    # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
-    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
-    return (cpu_kernels.build("argmax_rows", _SOURCE, argtypes, ("-fopenmp",))
-            or cpu_kernels.build("argmax_rows", _SOURCE, argtypes))
+    return cpu_kernels.build_openmp("argmax_rows", _SOURCE, argtypes)
 
 
 def argmax(logits: Tensor) -> Tensor | None:

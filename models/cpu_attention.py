@@ -369,10 +369,7 @@ def _library(lanes: int = LANES) -> ctypes.CDLL | None:
     source = f"#define LANES {lanes}\n{_SOURCE}"
     argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
                 i64, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
-    # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
-    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
-    return (cpu_kernels.build("paged_decode", source, argtypes, ("-fopenmp",))
-            or cpu_kernels.build("paged_decode", source, argtypes))
+    return cpu_kernels.build_openmp("paged_decode", source, argtypes)
 
 
 def lanes_for(head_dim: int) -> int:

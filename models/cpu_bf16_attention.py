@@ -464,10 +464,7 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32,
                 ptr, ptr, ptr, ptr, i64, i32]
-    # NOTE: -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
-    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
-    lib = (cpu_kernels.build("prefill_attention", _SOURCE, argtypes, ("-fopenmp",))
-           or cpu_kernels.build("prefill_attention", _SOURCE, argtypes))
+    lib = cpu_kernels.build_openmp("prefill_attention", _SOURCE, argtypes)
     if lib is not None:
         lib.paged_decode_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                           ptr, i64, i64, i64, i64, i64, i64, f32, ptr, i32]

@@ -74,6 +74,7 @@ static inline void store_bf16(uint16_t *p, vf v) {
     vh h = __builtin_convertvector(u >> 16, vh); memcpy(p, &h, sizeof h);
 }
 """
+VECTOR_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the dtype code VECTORS' kernels take
 
 
 def _cache_dir() -> Path:
@@ -113,6 +114,14 @@ def build(name: str, source: str, argtypes: list[Any] | None = None,
     function = getattr(lib, name)
     function.argtypes, function.restype = argtypes, ctypes.c_int
     return lib
+
+
+def build_openmp(name: str, source: str, argtypes: list[Any] | None = None
+                 ) -> ctypes.CDLL | None:
+    """`build` with OpenMP: -fopenmp links libgomp.so.1, which resolves to the copy torch
+    has loaded (one pool of threads for torch and the kernels); a compiler without OpenMP
+    builds the same kernel single-threaded."""
+    return build(name, source, argtypes, ("-fopenmp",)) or build(name, source, argtypes)
 
 
 MADV_HUGEPAGE = 14  # Linux madvise advice (asm-generic/mman-common.h)

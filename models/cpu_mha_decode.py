@@ -220,11 +220,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
                 i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-    # NOTE: `paged_decode_bf16`'s arguments (`cpu_bf16_attention.run_paged_decode`);
-    # -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded (one
-    # pool of threads); a compiler without OpenMP builds the same kernel single-threaded.
-    return (cpu_kernels.build("paged_decode_mha", _SOURCE, argtypes, ("-fopenmp",))
-            or cpu_kernels.build("paged_decode_mha", _SOURCE, argtypes))
+    # NOTE: `paged_decode_bf16`'s arguments (`cpu_bf16_attention.run_paged_decode`)
+    return cpu_kernels.build_openmp("paged_decode_mha", _SOURCE, argtypes)
 
 
 def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_lens: Tensor,

@@ -97,18 +97,13 @@ int layer_norm(const void *x, const void *w, const void *b, void *y, int64_t row
 }
 """
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-
 
 @cache
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    # NOTE: -fopenmp links the libgomp torch has loaded (one pool of threads), as the
-    # attention kernels do; without OpenMP every input is normalized in one thread.
-    lib = (cpu_kernels.build("layer_norm", _SOURCE, argtypes, ("-fopenmp",))
-           or cpu_kernels.build("layer_norm", _SOURCE, argtypes))
+    lib = cpu_kernels.build_openmp("layer_norm", _SOURCE, argtypes)
     if lib is not None:
         lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int,
                                  ctypes.c_int]
@@ -120,7 +115,7 @@ def kernel_kind(x: Tensor, width: int, params: Sequence[Tensor], limit: float = 
                 ) -> int | None:
     """The kernel's dtype code for normalizing `x` (up to `limit` elements) over its last
     dimension (`width`) with `params`, or None where torch's path must run."""
-    kind = _KINDS.get(x.dtype)
+    kind = cpu_kernels.VECTOR_KINDS.get(x.dtype)
     if (kind is None or x.device.type != "cpu" or x.numel() > limit
             or x.dim() == 0 or x.shape[-1] != width or width % 16
             or any(p.dtype != x.dtype for p in params) or torch.is_grad_enabled()

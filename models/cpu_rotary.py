@@ -56,24 +56,19 @@ int rotate(const void *x, int64_t x_row, const void *cos, const void *sin, void 
 }
 """
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    # NOTE: -fopenmp links the libgomp torch has loaded (one pool of threads)
-    return (cpu_kernels.build("rotate", _SOURCE, argtypes, ("-fopenmp",))
-            or cpu_kernels.build("rotate", _SOURCE, argtypes))
+    return cpu_kernels.build_openmp("rotate", _SOURCE, argtypes)
 
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor | None:
     """`models.llama.rotate` of `[n, heads, head_dim]` x (rows may be strided, as a view of
     a fused projection) with `[n, head_dim]` tables, as a new contiguous tensor; None where
     the kernel cannot run (the caller keeps torch's path)."""
-    kind = _KINDS.get(x.dtype)
+    kind = cpu_kernels.VECTOR_KINDS.get(x.dtype)
     n, heads, dim = x.shape
     if (kind is None or x.device.type != "cpu" or dim % 32 or x.stride(2) != 1
             or x.stride(1) != dim or cos.dtype != x.dtype or signed_sin.dtype != x.dtype

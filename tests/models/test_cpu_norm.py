@@ -39,19 +39,27 @@ def test_matches_float64_as_closely_as_torch(dtype: torch.dtype, affine: bool,
     assert ((ours.double() - want).abs() <= (theirs.double() - want).abs() + slack).all()
 
 
-def test_other_inputs_take_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inputs past MAX_ELEMENTS, widths not a multiple of 16, float64 and inputs that need
-    gradients never reach the kernel."""
-    calls = []
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    """The arguments of every call into the kernel library from now on (calls go through)."""
+    calls: list[tuple[object, ...]] = []
     real = cpu_norm._library()
     assert real is not None
 
     class Counted:
-        def layer_norm(self, *args: object) -> int:
-            calls.append(args)
-            return int(real.layer_norm(*args))
+        def __getattr__(self, name: str) -> object:
+            def call(*args: object) -> int:
+                calls.append(args)
+                return int(getattr(real, name)(*args))
+            return call
 
     monkeypatch.setattr(cpu_norm, "_library", lambda: Counted())
+    return calls
+
+
+def test_other_inputs_take_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs past MAX_ELEMENTS, widths not a multiple of 16, float64 and inputs that need
+    gradients never reach the kernel."""
+    calls = count_calls(monkeypatch)
     wide = cpu_norm.LayerNorm(64)
     with torch.inference_mode():
         wide(torch.randn(8, 64))
@@ -91,16 +99,7 @@ def test_rms_norm_matches_llamas(dtype: torch.dtype, shape: tuple[int, ...]) -> 
 
 
 def test_rms_norm_of_other_inputs_takes_torchs_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = cpu_norm._library()
-    assert real is not None
-
-    class Counted:
-        def rms_norm(self, *args: object) -> int:
-            calls.append(args)
-            return int(real.rms_norm(*args))
-
-    monkeypatch.setattr(cpu_norm, "_library", lambda: Counted())
+    calls = count_calls(monkeypatch)
     norm = cpu_norm.RMSNorm(64, 1e-6)
     with torch.inference_mode():
         norm(torch.randn(8, 64))
