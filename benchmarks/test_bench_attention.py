@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from aserve.engine.host import tune_host_allocator
 from bench.metrics import median_range
-from models import cpu_attention, cpu_bf16_attention, cpu_gemm
+from models import cpu_attention, cpu_bf16_attention, cpu_gemm, cpu_isa
 from models.attention import BACKEND_NAMES, AttentionMetadata, get_backend
 from models.cpu_kernels import advise_huge_pages
 from models.loader import build_preset
@@ -108,6 +108,15 @@ KERNEL_SHAPES = {"opt-125m (12 heads)": (12, 12), "smollm2-135m (9 heads, 3 KV)"
 COLD_BYTES = 256 << 20  # KV per timed call: well past the CPU's last-level cache
 
 
+def without_tiles(fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)`` with the bf16 decode kernel's q.k off the AMX tiles."""
+    cpu_bf16_attention.DECODE_TILES = False
+    try:
+        return fn(*args)
+    finally:
+        cpu_bf16_attention.DECODE_TILES = True
+
+
 def every_layer(kernel: Callable[[int], object], layers: int) -> None:
     for layer in range(layers):
         kernel(layer)
@@ -142,6 +151,9 @@ def test_decode_kernel_widths() -> None:
                     for lanes in (cpu_attention.LANES, cpu_attention.WIDE_LANES)}
                 if dtype == torch.bfloat16 and cpu_bf16_attention.is_supported(q):
                     kernels["default"] = lambda i: cpu_attention.decode(q, kv_cache, i, *args)
+                    if cpu_isa.detect().level == "AMX" and heads != kv_heads:
+                        kernels["q.k by vdpbf16ps"] = lambda i: without_tiles(
+                            cpu_attention.decode, q, kv_cache, i, *args)
                 if heads != kv_heads:
                     kernels["expanded rows"] = lambda i: backend.forward(q, kv_cache, i, meta,
                                                                          HEAD_DIM ** -0.5)

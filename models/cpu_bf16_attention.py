@@ -19,7 +19,10 @@ its queries then sit at the end of its keys (bottom-right causal mask).
 `decode` is the same for one query per sequence over its paged KV, for grouped-query
 models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on each K row,
 p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query heads that
-share it, the next block prefetched into L2.
+share it, the next block prefetched into L2. On a CPU with AMX (and blocks of whole 16-key
+tiles) q.k is a tile product instead: 16 K rows, loaded straight from the cache, times the
+query heads of their KV head packed once per sequence as the second operand, 16 x rep
+scores per product where the vector path sums 16 lanes per score.
 
 With AMX the balance turns: torch's flash attention hands its tiles to oneDNN, whose GEMMs
 run on the AMX tile units, and it computes prompts of 128 tokens and more 1.7-2.4x faster
@@ -46,6 +49,8 @@ from models import cpu_isa, cpu_kernels
 
 NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
 PROMPT_LEVELS = ("AVX-512-bf16",)  # where `prefill` beats torch's SDPA (module docstring)
+# decode's q.k on the AMX tiles where the CPU has them (False: vdpbf16ps everywhere)
+DECODE_TILES = True
 
 # C shared with the other AVX-512 BF16 kernels (`models.cpu_mha_decode`)
 HEADER = r"""
@@ -338,12 +343,88 @@ static inline __attribute__((always_inline)) void pv_block(
         _mm512_storeu_ps(acc + r * stride, lo[r]), _mm512_storeu_ps(acc + r * stride + 16, hi[r]);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAS_AMX 1
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use the tile registers: Linux has each process ask once
+   (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
+static int amx_allowed(void) {
+    static int allowed = -1;
+    if (allowed < 0)
+        allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return allowed;
+}
+
+/* This thread's tiles for q.k of rep query heads: C (0) 16 keys x rep scores, A (1) 16 K
+   rows x 32 dimensions, B (2) the rep queries' 32 dimensions as 16 pairs. */
+static void amx_configure(int64_t rep) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(rep * 4);
+    cfg.rows[1] = 16, cfg.colsb[1] = 64;
+    cfg.rows[2] = 16, cfg.colsb[2] = (uint16_t)(rep * 4);
+    _tile_loadconfig(&cfg);
+}
+
+/* qb: the rep queries of each of g KV heads as tile B per 32 dimensions: word i of query
+   r (dimensions 2i, 2i + 1 of the chunk) at [(h * chunks + c) * 16 + i] * rep + r. */
+static void amx_pack_queries(const uint16_t *q, int64_t g, int64_t rep, int64_t dim,
+                             uint32_t *qb) {
+    const int64_t chunks = dim / 32;
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t r = 0; r < rep; r++) {
+            const uint32_t *qr = (const uint32_t *)(q + (h * rep + r) * dim);
+            for (int64_t c = 0; c < chunks; c++)
+                for (int64_t i = 0; i < 16; i++)
+                    qb[((h * chunks + c) * 16 + i) * rep + r] = qr[c * 16 + i];
+        }
+}
+
+/* Scores of n (at most 16) keys from K rows k (`row` apart, KV head h at h * dim) for the
+   rep query heads of each of g KV heads, scaled, into scores (query head j at j * len,
+   these keys at p0): one tile product per 32 dimensions. The tile loads 16 rows whatever
+   n is: the caller's block holds them. */
+static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const uint32_t *qb,
+                              int64_t g, int64_t rep, int64_t dim, float scale,
+                              float *scores, int64_t len, int64_t p0, float *tile) {
+    const int64_t chunks = dim / 32;
+    const __mmask16 live = n >= 16 ? 0xffff : (1u << n) - 1;
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)rep));
+    for (int64_t h = 0; h < g; h++) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(1, k + h * dim + c * 32, row * 2);
+            _tile_loadd(2, qb + (h * chunks + c) * 16 * rep, rep * 4);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, tile, rep * 4);
+        for (int64_t r = 0; r < rep; r++) {
+            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows,
+                                                      tile + r, 4);
+            _mm512_mask_storeu_ps(scores + (h * rep + r) * len + p0, live,
+                                  _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+        }
+    }
+}
+#endif
+
 /* KV heads [h0, h0 + g) of sequence s with their rep query heads each: scores over all
    positions (q.k by vdpbf16ps, one 16-lane sum per (token, query head)), softmax, then p.v
    in float32 from widened V rows. Both passes walk the block table in order, each block's
    rows of the g heads one contiguous run, the next block prefetched. */
 static void decode_item(const Decode *job, float *scores, uint16_t *weights, float *acc,
-                        int64_t s, int64_t h0, int64_t g) {
+                        uint32_t *qb, float *tile, int64_t s, int64_t h0, int64_t g) {
     const int64_t rep = job->rep, dim = job->dim, row = job->heads * dim, bs = job->block_size;
     const int64_t len = job->lens[s], chunks = dim / 32, vecs = dim / 16, gq = g * rep;
     const int64_t *table = job->tables + s * job->width, wlen = (len + 2) / 2 * 2;
@@ -354,11 +435,23 @@ static void decode_item(const Decode *job, float *scores, uint16_t *weights, flo
         memcpy(v0 + at, job->v_new + s * job->v_stride + h0 * dim, g * dim * sizeof(uint16_t));
     }
     const uint16_t *q = job->q + s * job->q_stride + h0 * rep * dim;
+#ifdef HAS_AMX
+    if (qb != NULL)
+        amx_pack_queries(q, g, rep, dim, qb);
+#endif
     for (int64_t p0 = 0; p0 < len; p0 += bs) {
         const int64_t n = len - p0 < bs ? len - p0 : bs;
         const uint16_t *k = k0 + table[p0 / bs] * job->block_stride;
         if (p0 + bs < len)
             prefetch_rows(k0 + table[p0 / bs + 1] * job->block_stride, bs, row, g * dim * 2);
+#ifdef HAS_AMX
+        if (qb != NULL) {
+            for (int64_t t = 0; t < n; t += 16)
+                amx_scores(k + t * row, row, n - t, qb, g, rep, dim, job->scale, scores,
+                           len, p0 + t, tile);
+            continue;
+        }
+#endif
         for (int64_t j = 0; j < gq; j++) {  /* query head j reads KV head j / rep */
             __m512bh qv[chunks];
             for (int64_t c = 0; c < chunks; c++)
@@ -432,23 +525,40 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_new, const uint16_t *
                       int64_t v_offset, int64_t block_stride, const int64_t *tables,
                       int64_t width, const int64_t *lens, int64_t num_seqs, int64_t heads,
                       int64_t rep, int64_t dim, int64_t block_size, int64_t max_len,
-                      float scale, uint16_t *out, int num_threads) {
+                      float scale, uint16_t *out, int num_threads, int use_tiles) {
     Decode job = {q, k_new, v_new, q_stride, k_stride, v_stride, k, v_offset, block_stride,
                   tables, lens, width, num_seqs, heads, rep, dim, block_size, scale, out};
     /* whole sequences when there are enough to share out, else one KV head per item */
     const int64_t g = num_seqs >= 4 * (num_threads > 0 ? num_threads : 1) ? heads : 1;
+    /* q.k on the tiles where this CPU and process have them, the blocks hold whole tiles
+       of keys and a tile row holds the rep scores */
+    int tiles = 0;
+#ifdef HAS_AMX
+    tiles = use_tiles && block_size % 16 == 0 && rep <= 16 && amx_allowed();
+#endif
     int failed = 0;
     #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
     {
         float *scores = malloc(sizeof(float) * g * rep * (max_len > 0 ? max_len : 1));
         float *acc = malloc(sizeof(float) * g * rep * dim);
         uint16_t *weights = malloc(sizeof(uint16_t) * g * rep * (max_len + 2));
-        failed = scores == NULL || acc == NULL || weights == NULL;
+        uint32_t *qb = tiles ? malloc(sizeof(uint32_t) * g * rep * dim / 2) : NULL;
+        float tile[16 * 16];
+        failed = scores == NULL || acc == NULL || weights == NULL || (tiles && qb == NULL);
+#ifdef HAS_AMX
+        if (tiles && !failed)
+            amx_configure(rep);
+#endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads / g; i++)
             if (!failed)
-                decode_item(&job, scores, weights, acc, i / (heads / g), i % (heads / g) * g, g);
-        free(scores), free(acc), free(weights);
+                decode_item(&job, scores, weights, acc, qb, tile, i / (heads / g),
+                            i % (heads / g) * g, g);
+#ifdef HAS_AMX
+        if (tiles)
+            _tile_release();
+#endif
+        free(scores), free(acc), free(weights), free(qb);
     }
     return failed ? -1 : 0;
 }
@@ -467,7 +577,7 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_kernels.build_openmp("prefill_attention", _SOURCE, argtypes)
     if lib is not None:
         lib.paged_decode_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
-                                          ptr, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+                                          ptr, i64, i64, i64, i64, i64, i64, f32, ptr, i32, i32]
         lib.paged_decode_bf16.restype = i32
     return lib
 
@@ -540,14 +650,14 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     lib = _library()
     assert lib is not None  # is_supported built it
     return run_paged_decode(lib.paged_decode_bf16, q, kv_cache, layer, block_tables, seq_lens,
-                            max_seq_len, scale, new_kv)
+                            max_seq_len, scale, new_kv, int(DECODE_TILES))
 
 
 def run_paged_decode(kernel: Callable[..., int], q: Tensor, kv_cache: Tensor, layer: int,
                      block_tables: Tensor, seq_lens: Tensor, max_seq_len: int, scale: float,
-                     new_kv: tuple[Tensor, Tensor] | None) -> Tensor | None:
-    """`decode`'s call of a bf16 paged decode kernel (`paged_decode_bf16`'s arguments):
-    its output, or None when the kernel failed."""
+                     new_kv: tuple[Tensor, Tensor] | None, *extra: int) -> Tensor | None:
+    """`decode`'s call of a bf16 paged decode kernel (`paged_decode_bf16`'s arguments,
+    then ``extra``): its output, or None when the kernel failed."""
     _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
     q = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     k_new = v_new = None
@@ -564,5 +674,5 @@ def run_paged_decode(kernel: Callable[..., int], q: Tensor, kv_cache: Tensor, la
         kv_cache.data_ptr() + layer * 2 * block_elems * 2, block_elems,
         num_layers * 2 * block_elems, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         q.shape[0], kv_heads, q.shape[1] // kv_heads, head_dim, block_size, max_seq_len, scale,
-        out.data_ptr(), torch.get_num_threads())
+        out.data_ptr(), torch.get_num_threads(), *extra)
     return out if status == 0 else None
