@@ -339,6 +339,7 @@ def test_family_on_the_engine() -> None:
     cost, error = fitted_cost(records, "padded" if ATTENTION == "padded" else "split-k")
     for cell, member in zip(cells, members, strict=True):
         cell["sim"] = sim_member(member, cost)
+        cell["fitted_params"] = dataclasses.asdict(cost.params)  # to re-run the simulator
     write_engine_family(name, f"seed {SEED}, {ATTENTION} attention; simulator calibrated on "
                         f"these runs' steps (median error {error:.1%})", cells, members)
 

@@ -163,18 +163,23 @@ class AlignedPolicy(AlignedStrictPolicy):
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
         """(A starving request's subtree goes first, as ``aligned-strict``.) Nothing while
         requests are on their way to the pool on a device that also decodes (``incoming``),
-        the whole pool fits and a spread of lengths costs. Where it does not cost (split-K),
-        the oldest first, as fcfs takes them. Else the shortest batch of the cheapest cut of
-        the pool into batches of neighbouring lengths (``_cheapest_cut``).
+        the pool holds less than the cut looks at (``CUT_SPAN`` batches) and a spread of
+        lengths costs. Where it does not cost (split-K), the oldest first, as fcfs takes
+        them. Else the shortest batch of the cheapest cut of the pool into batches of
+        neighbouring lengths (``_cheapest_cut``).
 
         NOTE: where prefill and decode share a device, decoding what is pooled while the
         rest is still being prefilled spends no less of the device's time, and batches the
         first requests to arrive, whatever their lengths; the refills then join that mix
         and every step pads to its longest. Waiting, the prefills run first and the pool
-        holds the backlog to batch by length. Where a spread of lengths costs nothing
-        (split-K) the wait saves only a step's fixed part over the first few seqs, while
-        they wait for their second token through every prefill left, a wait P99 TPOT
-        counts; so there the pool decodes at once.
+        holds the backlog to batch by length: a cut of the first few batches' worth to
+        arrive takes the shortest of those, not of the backlog, and the longer ones that
+        arrive next join it as refills or pad the next batch. The wait ends once the pool
+        holds what the cut looks at, and a starving request is served first, so a steady
+        stream that keeps the prefills busy does not hold decoding back for long. Where a
+        spread of lengths costs nothing (split-K) the wait saves only a step's fixed part
+        over the first few seqs, while they wait for their second token through every
+        prefill left, a wait P99 TPOT counts; so there the pool decodes at once.
 
         NOTE: how wide a batch should be is the model's call, not a request count's: a
         batch asked to hold ``min_requests`` (density-first search widens a subtree by its
@@ -186,7 +191,9 @@ class AlignedPolicy(AlignedStrictPolicy):
         if root.num_requests == 0:
             return []
         fits = root.num_blocks <= max_blocks and root.num_requests <= max_requests
-        if fits and self.incoming and self.alignment_pays([1, self.config.max_len]):
+        seen = (root.num_blocks > CUT_SPAN * max_blocks
+                or root.num_requests > CUT_SPAN * max_requests)
+        if self.incoming and not seen and self.alignment_pays([1, self.config.max_len]):
             return []  # more is coming: wait for a pool to choose from
         if not fits and not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
@@ -296,7 +303,10 @@ class AlignedPolicy(AlignedStrictPolicy):
           per token (a refill that raises predicted throughput for its work);
         - the candidate batch joins the running seqs (oldest first, as room allows) when
           one step over both is predicted no slower than a step of each
-          (``mixing_pays``). Else the running batch drains first, down to ``drain_floor``
+          (``mixing_pays``), and where only part of it fits, when that part is predicted
+          cheaper with the running seqs than with the rest of its batch (``_part_pays``;
+          until the candidate batch has waited ``STALL_STEPS`` boundaries). Else the
+          running batch drains first, down to ``drain_floor``
           of the running seqs and the candidate batch; then its stragglers that would not
           mix go back to the pool (each seq at most ``MAX_RETURNS`` times) and the
           candidate batch takes their room.
@@ -336,9 +346,12 @@ class AlignedPolicy(AlignedStrictPolicy):
         requests = self._closest_first(view, current)
         batch = by_arrival(view.candidate_batch)
         if not batch or mixing_pays(self._time, running, [s.length for s in batch]):
-            return plan_admissions(view, requests, batch, is_strict=False,
+            plan = plan_admissions(view, requests, batch, is_strict=False,
                                    accepts=self._lowers_waste, reserve=reserve,
                                    lengths=running)
+            if (waited.get(("batch", None), 0) > STALL_STEPS
+                    or self._part_pays(view, plan, batch)):
+                return plan
         plan = plan_admissions(view, requests, [], is_strict=False,
                                accepts=self._lowers_waste, reserve=reserve, lengths=running)
         # NOTE: the floor is a share of the seqs at hand, not of the slots: batches cut by
@@ -348,6 +361,30 @@ class AlignedPolicy(AlignedStrictPolicy):
         if len(view.running) > floor:
             return plan
         return self._switch_to(view, batch, unswitched=plan)
+
+    def _part_pays(self, view: BoundaryView, plan: BoundaryPlan,
+                   batch: Sequence[SeqView]) -> bool:
+        """Whether the part of the candidate ``batch`` that ``plan`` admits is better run
+        with the running seqs (and the requests ``plan`` admits) now than with the rest of
+        its batch later: one step of each pair, predicted.
+
+        NOTE: ``mixing_pays`` weighs the whole candidate batch joining. A part of it joins
+        where only the part fits, and one step over both groups then still beats a step of
+        each (the weights are read once), but the part's alternative is its own batch, not
+        a step alone: a candidate batch of longer seqs sends its first seq into the running
+        batch of short ones, and every step pads them all to it until the short ones are
+        done, while the rest of its batch, which pads to its own longest anyway, would
+        have carried it for little more."""
+        admitted = set(plan.admit_batch)
+        if not admitted or len(admitted) == len(batch):
+            return True
+        joined = {*plan.admit_requests}
+        now = [s.length for s in view.running] + [
+            s.length for s in view.candidate_requests if s.seq_id in joined]
+        part = [s.length for s in batch if s.seq_id in admitted]
+        rest = [s.length for s in batch if s.seq_id not in admitted]
+        return (self._time([*now, *part]) + self._time(rest)
+                <= self._time(now) + self._time([*part, *rest]))
 
     @staticmethod
     def _plan_by_output_left(view: BoundaryView) -> BoundaryPlan:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import BoundaryPlan, BoundaryView, PolicyConfig, SeqView, get_policy
+from scheduler.aligned import STALL_STEPS
 from scheduler.batching import blocks_needed, blocks_to_admit
 
 BLOCK_SIZE = 16  # tokens per block in every scenario here
@@ -153,6 +154,24 @@ def test_aligned_runs_the_most_output_left_first_where_a_step_costs_its_total_wo
     # with room for both, both go in
     got = total_work.plan_boundary(view(running, 40, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
+
+
+def test_aligned_admits_part_of_a_candidate_batch_only_where_the_part_pays() -> None:
+    """A candidate batch of longer seqs, of which one fits beside a running batch of
+    short ones: one step over both beats a step of each, yet that one seq would pad every
+    short seq to its length until they are done, while in its own batch it costs little
+    more. It waits for its batch; with room for the whole batch, the batch joins."""
+    grouped = get_policy("aligned", PolicyConfig(), padded_cost)
+    running = [seq(f"r{i}", 100, 7) for i in range(10)]
+    batch = tuple(seq(f"c{i}", 300, 19, batch_id=CURRENT + 1) for i in range(4))
+    assert grouped.plan_boundary(view(running, 32, batch=batch)) == BoundaryPlan()
+    # the wait is bounded: past STALL_STEPS boundaries the part joins
+    plans = [grouped.plan_boundary(view(running, 32, batch=batch))
+             for _ in range(STALL_STEPS)]
+    assert plans[-2] == BoundaryPlan() and plans[-1].admit_batch == ("c0",)
+    whole = get_policy("aligned", PolicyConfig(), padded_cost).plan_boundary(
+        view(running, 100, batch=batch))
+    assert sorted(whole.admit_batch) == ["c0", "c1", "c2", "c3"]
 
 
 def test_aligned_refills_closest_in_length_where_padding_costs() -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from bench.workloads import synthetic
 from scheduler import PolicyConfig, SeqView, get_policy
+from scheduler.aligned import CUT_SPAN
 from sim import ClusterConfig, simulate
 from tests.cores.test_differential import cost_model
 
@@ -37,10 +38,11 @@ def test_it_does_not_wait_where_a_step_costs_its_total_work() -> None:
     assert sorted(policy.next_batch(10_000, 64, 0.0)) == ["s0", "s1", "s2"]
 
 
-def test_it_does_not_wait_when_the_pool_holds_more_than_a_batch() -> None:
-    policy = pooled()
+def test_it_waits_past_a_batch_until_the_pool_holds_what_the_cut_looks_at() -> None:
+    policy = pooled()  # 64 blocks in all
     policy.incoming = 5
-    assert policy.next_batch(10, 64, 0.0)  # 10 blocks: the pool does not fit, DFS chooses
+    assert policy.next_batch(10, 64, 0.0) == []  # more than a batch, less than the span
+    assert policy.next_batch(64 // CUT_SPAN - 1, 64, 0.0)  # more than the span: it cuts
 
 
 def first_decode_after_last_prefill(devices: dict[str, tuple[str, ...]]) -> bool:
