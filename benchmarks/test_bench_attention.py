@@ -110,11 +110,11 @@ COLD_BYTES = 256 << 20  # KV per timed call: well past the CPU's last-level cach
 
 def without_tiles(fn: Callable[..., object], *args: object) -> object:
     """``fn(*args)`` with the bf16 decode kernel's q.k off the AMX tiles."""
-    cpu_bf16_attention.DECODE_TILES = False
+    cpu_bf16_attention.TILES = False
     try:
         return fn(*args)
     finally:
-        cpu_bf16_attention.DECODE_TILES = True
+        cpu_bf16_attention.TILES = True
 
 
 def every_layer(kernel: Callable[[int], object], layers: int) -> None:

@@ -24,10 +24,12 @@ tiles) q.k is a tile product instead: 16 K rows, loaded straight from the cache,
 query heads of their KV head packed once per sequence as the second operand, 16 x rep
 scores per product where the vector path sums 16 lanes per score.
 
-With AMX the balance turns: torch's flash attention hands its tiles to oneDNN, whose GEMMs
-run on the AMX tile units, and it computes prompts of 128 tokens and more 1.7-2.4x faster
-than `prefill` (docs/results-cpu.md), so `takes_prompts` is false there and prompts go to
-torch's SDPA; decode, a pass over the cache with one query per head, stays here.
+With AMX, torch's flash attention hands its tiles to oneDNN, whose GEMMs run on the AMX
+tile units, and computes prompts of 128 tokens and more 1.7-2.4x faster than the
+`vdpbf16ps` loops (docs/results-cpu.md). There `prefill` runs both products on the tiles
+too, 16 query vectors at a time: the packed K (dimension pairs x 16 keys) and the packed V
+(key pairs x 16 dimensions) are already the layout of the tile product's second operand,
+the queries and the bf16 weights its first; the softmax stays in vector registers.
 
 Optional, as torch's `scaled_dot_product_attention` stays the reference: each returns
 None where its kernel cannot run (no AVX-512 BF16, another dtype or device, a head_dim not a
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from collections.abc import Callable
 from functools import cache
 
@@ -48,9 +51,11 @@ from torch import Tensor
 from models import cpu_isa, cpu_kernels
 
 NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
-PROMPT_LEVELS = ("AVX-512-bf16",)  # where `prefill` beats torch's SDPA (module docstring)
-# decode's q.k on the AMX tiles where the CPU has them (False: vdpbf16ps everywhere)
-DECODE_TILES = True
+# where `prefill` beats torch's SDPA (module docstring): on AMX with its tiles only
+PROMPT_LEVELS = ("AVX-512-bf16", "AMX")
+# AMX tiles where the CPU has them: prompts' q.k and p.v, decode's q.k (False, or
+# ASERVE_CPU_TILES=0: `vdpbf16ps` for decode and torch's SDPA for prompts)
+TILES = os.environ.get("ASERVE_CPU_TILES", "1") != "0"
 
 # C shared with the other AVX-512 BF16 kernels (`models.cpu_mha_decode`)
 HEADER = r"""
@@ -86,6 +91,85 @@ _SOURCE = HEADER + r"""
 
 enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAS_AMX 1
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use the tile registers: Linux has each process ask once
+   (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
+static int amx_allowed(void) {
+    static int allowed = -1;
+    if (allowed < 0)
+        allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return allowed;
+}
+
+/* This thread's tiles for prompts: all eight 16 rows x 64 bytes (16 floats, or 32 bf16 as
+   16 pairs) */
+static void amx_configure_prompts(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* scores[m][0, BK) = q[m] . K[tile keys] for 16 queries (dim bf16 each, contiguous) on the
+   tiles: the packed K's groups of 16 keys are tile B as they lie (dimension pairs x keys) */
+static void scores_tiles(const uint16_t *q, int64_t dim, const uint32_t *kt, float *scores) {
+    const int64_t words = dim / 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < dim / 32; c++) {
+        _tile_loadd(4, q + c * 32, dim * 2);
+        _tile_loadd(5, kt + (0 * words + c * 16) * 16, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, kt + (1 * words + c * 16) * 16, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, kt + (2 * words + c * 16) * 16, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, kt + (3 * words + c * 16) * 16, 64);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, scores, BK * 4);
+    _tile_stored(1, scores + 16, BK * 4);
+    _tile_stored(2, scores + 32, BK * 4);
+    _tile_stored(3, scores + 48, BK * 4);
+}
+
+/* o[m] = alpha[m] o[m] + the p[m] weights (BK bf16) . V[tile keys] for 16 queries on the
+   tiles: the packed V (key pairs x dimensions) is tile B as it lies */
+static void values_tiles(const uint32_t *p, const float *alpha, const uint16_t *vt,
+                         int64_t dim, float *o) {
+    const __mmask16 same = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha), _mm512_set1_ps(1.0f),
+                                              _CMP_EQ_OQ);
+    for (int64_t m = 0; m < 16 && same != 0xffff; m++) {  /* no maximum moved: nothing */
+        const __m512 a = _mm512_set1_ps(alpha[m]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(o + m * dim + d, _mm512_mul_ps(a, _mm512_loadu_ps(o + m * dim + d)));
+    }
+    _tile_loadd(4, p, BK * 2);            /* keys [0, 32) */
+    _tile_loadd(5, p + 16, BK * 2);       /* keys [32, 64) */
+    for (int64_t d = 0; d < dim; d += 16) {
+        _tile_loadd(0, o + d, dim * 4);
+        _tile_loadd(6, vt + 2 * d, dim * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, vt + 16 * 2 * dim + 2 * d, dim * 4);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_stored(0, o + d, dim * 4);
+    }
+}
+#endif
+
 typedef struct {
     const uint16_t *q;          /* [tokens, heads * rep, dim] rows q_row apart */
     int64_t q_row;
@@ -98,6 +182,7 @@ typedef struct {
     uint16_t *out;              /* [tokens, heads * rep, dim] contiguous */
     uint16_t *packed;           /* per (sequence, KV head): K then V, tiles of BK keys */
     const int64_t *packed_at;   /* per sequence: offset of its head 0 in packed */
+    int tiles;                  /* both products on the AMX tiles, 16 queries at a time */
 } Job;
 
 static inline int64_t tiles_of(int64_t n) { return (n + BK - 1) / BK; }
@@ -185,7 +270,8 @@ typedef struct { float *scores, *o, *peak, *total, *top, *alpha; uint32_t *q, *p
 static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
     const int64_t dim = job->dim, words = dim / 2, rep = job->rep, n = job->s_len[s];
     const int64_t rows = job->q_len[s] - r0 < job->rows ? job->q_len[s] - r0 : job->rows;
-    const int64_t count = rows * rep, padded = (count + MB - 1) / MB * MB;
+    const int64_t unit = job->tiles ? 16 : MB;  /* queries per pass */
+    const int64_t count = rows * rep, padded = (count + unit - 1) / unit * unit;
     const int64_t first = n - job->q_len[s] + r0;  /* position of row r0 */
     const int64_t keys = first + rows, pad = tiles_of(n) * BK;
     const uint16_t *kp = job->packed + job->packed_at[s] + h * 2 * pad * dim;
@@ -206,6 +292,12 @@ static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
         15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = 0; t * BK < keys; t++) {
         const uint32_t *kt = (const uint32_t *)(kp + t * BK * dim);
+#ifdef HAS_AMX
+        if (job->tiles)
+            for (int64_t m = 0; m < padded; m += 16)
+                scores_tiles((const uint16_t *)(w->q + m * words), dim, kt, w->scores + m * BK);
+        else
+#endif
         for (int64_t m = 0; m < padded; m += MB)
             scores_tile(w->q + m * words, words, kt, w->scores + m * BK);
         /* every key of the tile at or before every query's position: nothing to mask */
@@ -245,6 +337,13 @@ static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
         }
         for (int64_t m = count; m < padded; m++) memset(w->p + m * (BK / 2), 0, BK * 2);
         const uint16_t *vt = vp + t * BK * dim;
+#ifdef HAS_AMX
+        if (job->tiles) {
+            for (int64_t m = 0; m < padded; m += 16)
+                values_tiles(w->p + m * (BK / 2), w->alpha + m, vt, dim, w->o + m * dim);
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < padded; m += MB)
             for (int64_t c0 = 0; c0 < dim / 16; c0 += 4) {
                 const uint32_t *p = w->p + m * (BK / 2);
@@ -271,13 +370,23 @@ int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
                       int64_t num_seqs, int64_t heads, int64_t rep, int64_t dim, int64_t rows,
                       float scale,
                       uint16_t *out, uint16_t *packed, const int64_t *packed_at,
-                      const int64_t *items, int64_t num_items, int num_threads) {
+                      const int64_t *items, int64_t num_items, int num_threads,
+                      int use_tiles) {
+    int tiles = 0;
+#ifdef HAS_AMX
+    tiles = use_tiles && amx_allowed();
+#endif
     Job job = {q, q_row, q_start, q_len, s_len, k, v, k_row, v_row, num_seqs, heads, rep, dim,
-               rows, scale, out, packed, packed_at};
-    const int64_t most = (rows * rep + MB - 1) / MB * MB;
+               rows, scale, out, packed, packed_at, tiles};
+    const int64_t most16 = (rows * rep + 15) / 16 * 16, most6 = (rows * rep + MB - 1) / MB * MB;
+    const int64_t most = most16 > most6 ? most16 : most6;  /* either pass's padding */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
     {
+#ifdef HAS_AMX
+        if (tiles)
+            amx_configure_prompts();
+#endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads; i++) pack(&job, i / heads, i % heads);
         Scratch w = {malloc(most * BK * sizeof(float)), malloc(most * dim * sizeof(float)),
@@ -290,6 +399,10 @@ int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_items; i++)
             if (ok) item(&job, &w, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+#ifdef HAS_AMX
+        if (tiles)
+            _tile_release();
+#endif
         free(w.scores), free(w.o), free(w.peak), free(w.total), free(w.top), free(w.alpha);
         free(w.q), free(w.p);
     }
@@ -343,26 +456,7 @@ static inline __attribute__((always_inline)) void pv_block(
         _mm512_storeu_ps(acc + r * stride, lo[r]), _mm512_storeu_ps(acc + r * stride + 16, hi[r]);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAS_AMX 1
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Whether this process may use the tile registers: Linux has each process ask once
-   (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
-static int amx_allowed(void) {
-    static int allowed = -1;
-    if (allowed < 0)
-        allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return allowed;
-}
-
+#ifdef HAS_AMX
 /* This thread's tiles for q.k of rep query heads: C (0) 16 keys x rep scores, A (1) 16 K
    rows x 32 dimensions, B (2) the rep queries' 32 dimensions as 16 pairs. */
 static void amx_configure(int64_t rep) {
@@ -573,7 +667,7 @@ def _library() -> ctypes.CDLL | None:
     """Compiles (once per source and flags) and loads the kernels; None when it cannot."""
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32,
-                ptr, ptr, ptr, ptr, i64, i32]
+                ptr, ptr, ptr, ptr, i64, i32, i32]
     lib = cpu_kernels.build_openmp("prefill_attention", _SOURCE, argtypes)
     if lib is not None:
         lib.paged_decode_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
@@ -590,7 +684,8 @@ def is_supported(q: Tensor) -> bool:
 
 def takes_prompts(q: Tensor) -> bool:
     """Whether prompt queries like `q` should go to `prefill` rather than torch's SDPA."""
-    return is_supported(q) and cpu_isa.detect().level in PROMPT_LEVELS
+    level = cpu_isa.detect().level
+    return is_supported(q) and level in PROMPT_LEVELS and (TILES or level != "AMX")
 
 
 def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: float
@@ -632,7 +727,7 @@ def prefill(q: Tensor, seqs: list[tuple[int, int, int, Tensor, Tensor]], scale: 
     status = lib.prefill_attention(
         q.data_ptr(), q.stride(0), *at[:7], len(seqs), kv_heads, rep, dim, block, scale,
         out.data_ptr(), packed.data_ptr(), at[7], items_t.data_ptr(), len(items),
-        torch.get_num_threads())
+        torch.get_num_threads(), int(TILES))
     return out if status == 0 else None
 
 
@@ -650,7 +745,7 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     lib = _library()
     assert lib is not None  # is_supported built it
     return run_paged_decode(lib.paged_decode_bf16, q, kv_cache, layer, block_tables, seq_lens,
-                            max_seq_len, scale, new_kv, int(DECODE_TILES))
+                            max_seq_len, scale, new_kv, int(TILES))
 
 
 def run_paged_decode(kernel: Callable[..., int], q: Tensor, kv_cache: Tensor, layer: int,

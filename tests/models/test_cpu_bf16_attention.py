@@ -44,10 +44,14 @@ def torch_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 12, 64), (4, 1, 32),
                                                         (4, 2, 128), (6, 2, 96)])
-def test_matches_float64_as_closely_as_torch_bf16(heads: int, kv_heads: int, dim: int) -> None:
+@pytest.mark.parametrize("tiles", [True, False])  # cpu_bf16_attention.TILES (where AMX)
+def test_matches_float64_as_closely_as_torch_bf16(heads: int, kv_heads: int, dim: int,
+                                                  tiles: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Several prompts in one call, q/k/v strided views of one fused projection, some with a
     cached prefix (their queries the last positions): every row within torch's own bf16
     error of the float64 answer."""
+    monkeypatch.setattr(cpu_bf16_attention, "TILES", tiles)
     torch.manual_seed(heads * dim)
     shapes = [(1, 1), (37, 37), (200, 200), (70, 135), (1, 64), (130, 130)]  # (queries, keys)
     seqs, queries, start = [], [], 0
@@ -79,13 +83,16 @@ def test_unsupported_inputs_fall_back() -> None:
     assert cpu_bf16_attention.prefill(q16, [(0, 8, 8, k16, v16)], SCALE) is None
 
 
-@pytest.mark.parametrize(("level", "takes"), [("AVX-512-bf16", True), ("AMX", False)])
+@pytest.mark.parametrize(("level", "tiles", "takes"), [
+    ("AVX-512-bf16", True, True), ("AVX-512-bf16", False, True), ("AMX", True, True),
+    ("AMX", False, False)])
 def test_prompts_go_to_the_kernel_where_it_beats_torchs_sdpa(
-        level: str, takes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AMX, torch's flash attention runs its GEMMs on the tile units and prompts go to
-    it; with AVX-512 BF16 alone, to the kernel."""
+        level: str, tiles: bool, takes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX, torch's flash attention runs its GEMMs on the tile units: prompts go to
+    the kernel there only with its own tile products; with AVX-512 BF16 alone, always."""
     isa = cpu_isa.detect()
     monkeypatch.setattr(cpu_isa, "detect", lambda: dataclasses.replace(isa, level=level))
+    monkeypatch.setattr(cpu_bf16_attention, "TILES", tiles)
     assert cpu_bf16_attention.takes_prompts(torch.empty(4, 2, 64, dtype=torch.bfloat16)) is takes
     assert not cpu_bf16_attention.takes_prompts(torch.empty(4, 2, 64))  # float32: never
 
@@ -135,7 +142,7 @@ DECODE_CASES = [  # kernel, heads, KV heads, head_dim, block size
 
 @pytest.mark.parametrize(("kernel", "heads", "kv_heads", "dim", "block_size"), DECODE_CASES)
 @pytest.mark.parametrize("num_seqs", [3, 20])  # one KV head per work item; whole sequences
-@pytest.mark.parametrize("tiles", [True, False])  # cpu_bf16_attention.DECODE_TILES
+@pytest.mark.parametrize("tiles", [True, False])  # cpu_bf16_attention.TILES
 def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads: int,
                                                       kv_heads: int, dim: int, block_size: int,
                                                       num_seqs: int, tiles: bool,
@@ -145,7 +152,7 @@ def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads:
     in the cache exactly as write_kv puts them."""
     if not tiles and kernel is not cpu_bf16_attention:
         pytest.skip("only cpu_bf16_attention has a tile path")
-    monkeypatch.setattr(cpu_bf16_attention, "DECODE_TILES", tiles)
+    monkeypatch.setattr(cpu_bf16_attention, "TILES", tiles)
     torch.manual_seed(num_seqs * dim + block_size)
     lens = [(1, 15, 16, 17, 32, 33, 150)[i % 7] + i // 7 for i in range(num_seqs)]
     tables, num_blocks = make_block_tables(lens, block_size)
