@@ -129,13 +129,13 @@ static int amx_allowed(void) {
     return allowed;
 }
 
-/* This thread's tiles for prompts: all eight 16 rows x 64 bytes (16 floats, or 32 bf16 as
-   16 pairs) */
-static void amx_configure_prompts(void) {
+/* This thread's tiles 0 .. n - 1: 16 rows each, of colsb[t] bytes (16 floats, or 32 bf16
+   as 16 pairs, at most) */
+static void amx_configure(int n, const uint16_t *colsb) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < n; t++) cfg.rows[t] = 16, cfg.colsb[t] = colsb[t];
     _tile_loadconfig(&cfg);
 }
 
@@ -404,8 +404,8 @@ int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
     #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(|: failed)
     {
 #ifdef HAS_AMX
-        if (tiles)
-            amx_configure_prompts();
+        if (tiles)  /* all eight tiles of 16 rows x 64 bytes */
+            amx_configure(8, (const uint16_t[8]){64, 64, 64, 64, 64, 64, 64, 64});
 #endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads; i++) pack(&job, i / heads, i % heads);
@@ -477,18 +477,6 @@ static inline __attribute__((always_inline)) void pv_block(
 }
 
 #ifdef HAS_AMX
-/* This thread's tiles for q.k of rep query heads: C (0) 16 keys x rep scores, A (1) 16 K
-   rows x 32 dimensions, B (2) the rep queries' 32 dimensions as 16 pairs. */
-static void amx_configure(int64_t rep) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(rep * 4);
-    cfg.rows[1] = 16, cfg.colsb[1] = 64;
-    cfg.rows[2] = 16, cfg.colsb[2] = (uint16_t)(rep * 4);
-    _tile_loadconfig(&cfg);
-}
-
 /* qb: the rep queries of each of g KV heads as tile B per 32 dimensions: word i of query
    r (dimensions 2i, 2i + 1 of the chunk) at [(h * chunks + c) * 16 + i] * rep + r. */
 static void amx_pack_queries(const uint16_t *q, int64_t g, int64_t rep, int64_t dim,
@@ -660,8 +648,10 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_new, const uint16_t *
         float tile[16 * 16];
         failed = scores == NULL || acc == NULL || weights == NULL || (tiles && qb == NULL);
 #ifdef HAS_AMX
+        /* q.k of rep query heads: C (0) 16 keys x rep scores, A (1) 16 K rows x 32
+           dimensions, B (2) the rep queries' 32 dimensions as 16 pairs */
         if (tiles && !failed)
-            amx_configure(rep);
+            amx_configure(3, (const uint16_t[3]){(uint16_t)(rep * 4), 64, (uint16_t)(rep * 4)});
 #endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads / g; i++)

@@ -75,6 +75,15 @@ static inline void store_bf16(uint16_t *p, vf v) {
 }
 """
 VECTOR_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the dtype code VECTORS' kernels take
+# Element-wise kernels run inputs up to this many elements (decode batches) in the calling
+# thread: waking OpenMP's threads costs more than such a pass
+ONE_THREAD = 1 << 17
+
+
+def threads_for(numel: int) -> int:
+    """The OpenMP threads an element-wise kernel takes for an input of `numel` elements:
+    one up to ONE_THREAD, torch's count above."""
+    return 1 if numel <= ONE_THREAD else torch.get_num_threads()
 
 
 def _cache_dir() -> Path:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from models import cpu_kernels
 
-MAX_ELEMENTS = 1 << 17  # inputs up to this size run in one thread (decode batches)
+MAX_ELEMENTS = cpu_kernels.ONE_THREAD  # inputs up to this size run in one thread
 
 _SOURCE = cpu_kernels.VECTORS + r"""
 #include <math.h>
@@ -164,6 +164,5 @@ class RMSNorm(nn.Module):
         y = torch.empty_like(x)
         _library().rms_norm(  # type: ignore[union-attr]
             x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
-            x.shape[-1], self.eps, kind,
-            1 if x.numel() <= MAX_ELEMENTS else torch.get_num_threads())
+            x.shape[-1], self.eps, kind, cpu_kernels.threads_for(x.numel()))
         return y

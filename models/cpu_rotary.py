@@ -7,10 +7,11 @@ prompt step of 2,048 tokens spends more time in them than in its attention's sof
 `rotate` makes one pass: per row and head, the first half of the result is
 `x1 * cos + x2 * sin` and the second `x2 * cos + x1 * sin` (the sin's first half negated by
 `models.llama.rotary_tables`), each product `x * cos` rounded to the dtype before the sum,
-as the operators round it. Inputs of up to `ONE_THREAD` elements (decode steps) run in the
-calling thread, larger ones a share of the rows per OpenMP thread. Built and cached by
-`models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it); other dtypes, devices and head
-dims (a multiple of 32 runs here: two halves of whole registers) take torch's path.
+as the operators round it. Inputs of up to `cpu_kernels.ONE_THREAD` elements (decode
+steps) run in the calling thread, larger ones a share of the rows per OpenMP thread. Built
+and cached by `models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it); other dtypes,
+devices and head dims (a multiple of 32 runs here: two halves of whole registers) take
+torch's path.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import torch
 from torch import Tensor
 
 from models import cpu_kernels
-
-ONE_THREAD = 1 << 17  # inputs up to this many elements run in the calling thread
 
 _SOURCE = cpu_kernels.VECTORS + r"""
 /* y[t, h] = rotated x[t, h] for rows t < n and heads h < heads of dim (a multiple of
@@ -77,5 +76,5 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor | None:
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     y = torch.empty((n, heads, dim), dtype=x.dtype)
     lib.rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(),
-               n, heads, dim, kind, 1 if x.numel() <= ONE_THREAD else torch.get_num_threads())
+               n, heads, dim, kind, cpu_kernels.threads_for(x.numel()))
     return y

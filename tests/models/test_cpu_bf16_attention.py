@@ -128,30 +128,31 @@ def test_backends_use_it_for_bf16_prompts(backend: str, monkeypatch: pytest.Monk
 
 
 
-DECODE_CASES = [  # kernel, heads, KV heads, head_dim, block size
-    *((cpu_bf16_attention, *shape, 4) for shape in [(9, 3, 64), (12, 12, 64), (4, 1, 32),
-                                                    (4, 2, 128)]),
+DECODE_CASES = [  # kernel, heads, KV heads, head_dim, block size, cpu_bf16_attention.TILES
+    *((cpu_bf16_attention, *shape, 4, tiles) for shape in [(9, 3, 64), (12, 12, 64), (4, 1, 32),
+                                                           (4, 2, 128)]
+      for tiles in (True, False)),
     # whole 16-key tiles per block: q.k on AMX tiles where the CPU has them (up to 16 query
-    # heads per KV head; 17 take the vector path)
-    *((cpu_bf16_attention, *shape) for shape in [(9, 3, 64, 16), (8, 1, 128, 32),
-                                                 (32, 2, 64, 16), (17, 1, 32, 16)]),
-    # block sizes that split its 16-position tiles, every head_dim it has a kernel for
-    *((cpu_mha_decode, *shape) for shape in [(12, 12, 64, 16), (4, 4, 32, 5), (2, 2, 128, 4),
-                                             (3, 3, 96, 16)])]
+    # heads per KV head; 17 take the vector path), and the vector path with the tiles off
+    *((cpu_bf16_attention, *shape, tiles) for shape in [(9, 3, 64, 16), (8, 1, 128, 32),
+                                                        (32, 2, 64, 16), (17, 1, 32, 16)]
+      for tiles in (True, False)),
+    # block sizes that split its 16-position tiles, every head_dim it has a kernel for (no
+    # tile path)
+    *((cpu_mha_decode, *shape, True) for shape in [(12, 12, 64, 16), (4, 4, 32, 5),
+                                                   (2, 2, 128, 4), (3, 3, 96, 16)])]
 
 
-@pytest.mark.parametrize(("kernel", "heads", "kv_heads", "dim", "block_size"), DECODE_CASES)
+@pytest.mark.parametrize(("kernel", "heads", "kv_heads", "dim", "block_size", "tiles"),
+                         DECODE_CASES)
 @pytest.mark.parametrize("num_seqs", [3, 20])  # one KV head per work item; whole sequences
-@pytest.mark.parametrize("tiles", [True, False])  # cpu_bf16_attention.TILES
 def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads: int,
                                                       kv_heads: int, dim: int, block_size: int,
-                                                      num_seqs: int, tiles: bool,
+                                                      tiles: bool, num_seqs: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One query per sequence over lengths that end inside, at and just past a block and a
     16-position tile: within bf16 rounding of the float64 answer, and this step's K/V land
     in the cache exactly as write_kv puts them."""
-    if not tiles and kernel is not cpu_bf16_attention:
-        pytest.skip("only cpu_bf16_attention has a tile path")
     monkeypatch.setattr(cpu_bf16_attention, "TILES", tiles)
     torch.manual_seed(num_seqs * dim + block_size)
     lens = [(1, 15, 16, 17, 32, 33, 150)[i % 7] + i // 7 for i in range(num_seqs)]
