@@ -161,25 +161,27 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     # -- the pool ------------------------------------------------------------------------
     def search(self, max_blocks: int, min_requests: int, max_requests: int) -> list[str]:
-        """(A starving request's subtree goes first, as ``aligned-strict``.) Nothing while
-        requests are on their way to the pool on a device that also decodes (``incoming``),
-        the pool holds less than the cut looks at (``CUT_SPAN`` batches) and a spread of
-        lengths costs. Where it does not cost (split-K), the oldest first, as fcfs takes
-        them. Else the shortest batch of the cheapest cut of the pool into batches of
-        neighbouring lengths (``_cheapest_cut``).
+        """(A starving request's subtree goes first, as ``aligned-strict``.) Where a spread
+        of lengths costs nothing (split-K), the oldest first, as fcfs takes them. Else the
+        shortest batch of the cheapest cut of the pool into batches of neighbouring lengths
+        (``_cheapest_cut``), unless requests are on their way to the pool on a device that
+        also decodes (``incoming``) and one of them could join that batch (the pool fits in
+        one batch, or one of them is shorter than the batch's longest). Then nothing, until
+        the pool holds what the cut looks at (``CUT_SPAN`` batches).
 
         NOTE: where prefill and decode share a device, decoding what is pooled while the
         rest is still being prefilled spends no less of the device's time, and batches the
         first requests to arrive, whatever their lengths; the refills then join that mix
-        and every step pads to its longest. Waiting, the prefills run first and the pool
-        holds the backlog to batch by length: a cut of the first few batches' worth to
-        arrive takes the shortest of those, not of the backlog, and the longer ones that
-        arrive next join it as refills or pad the next batch. The wait ends once the pool
-        holds what the cut looks at, and a starving request is served first, so a steady
-        stream that keeps the prefills busy does not hold decoding back for long. Where a
-        spread of lengths costs nothing (split-K) the wait saves only a step's fixed part
-        over the first few seqs, while they wait for their second token through every
-        prefill left, a wait P99 TPOT counts; so there the pool decodes at once.
+        and every step pads to its longest. Such a device prefills shortest first
+        (``prefills_shortest_first``), so a backlog reaches the pool shortest first: once
+        the pool's shortest batch is cut and nothing shorter is on its way, waiting would
+        not change that batch, and it decodes while the longer prompts are prefilled (a
+        step fused into a prefill shares its weights). A stream's later arrivals may be
+        shorter; the wait for them ends once the pool holds what the cut looks at, and a
+        starving request is served first. Where a spread of lengths costs nothing
+        (split-K) waiting saves only a step's fixed part over the first few seqs, while
+        they wait for their second token through every prefill left, a wait P99 TPOT
+        counts; so there the pool decodes at once.
 
         NOTE: how wide a batch should be is the model's call, not a request count's: a
         batch asked to hold ``min_requests`` (density-first search widens a subtree by its
@@ -191,13 +193,23 @@ class AlignedPolicy(AlignedStrictPolicy):
         if root.num_requests == 0:
             return []
         fits = root.num_blocks <= max_blocks and root.num_requests <= max_requests
-        seen = (root.num_blocks > CUT_SPAN * max_blocks
-                or root.num_requests > CUT_SPAN * max_requests)
-        if self.incoming and not seen and self.alignment_pays([1, self.config.max_len]):
-            return []  # more is coming: wait for a pool to choose from
         if not fits and not self.alignment_pays():
             return take_in_order(self.tree.oldest_first(), max_blocks, max_requests)
-        return self._cheapest_cut(root.requests(), max_blocks, max_requests)
+        seen = (root.num_blocks > CUT_SPAN * max_blocks
+                or root.num_requests > CUT_SPAN * max_requests)
+        wait = (bool(self.incoming) and not seen
+                and self.alignment_pays([1, self.config.max_len]))
+        if wait and fits:
+            return []  # any request on its way could join the pool's batch
+        batch = self._cheapest_cut(root.requests(), max_blocks, max_requests)
+        if wait and self.incoming[0] < max(self._lengths(batch)):
+            return []  # a shorter request on its way could join the batch
+        return batch
+
+    def prefills_shortest_first(self) -> bool:
+        """Where a spread of lengths costs (``alignment_pays``): the first batch ``search``
+        cuts from a backlog is then its shortest requests, ready after the first prefills."""
+        return self.alignment_pays([1, self.config.max_len])
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:

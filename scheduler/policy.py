@@ -66,6 +66,12 @@ class PolicyConfig(PolicyKnobs, frozen=True, kw_only=True):
             raise ValueError(f"max_len ({self.max_len}) must be >= 1")
 
 
+# a waiting prompt that later arrivals have overtaken in this many prefills goes first
+# (``Policy.prefills_shortest_first``): a finite backlog drains shortest first, and under a
+# stream no prompt waits behind shorter ones for more than a few prefills
+PREFILL_PASSES = 4
+
+
 class Policy(ABC):
     """A scheduling policy, chosen once at start-up by name (see ``get_policy``).
 
@@ -85,11 +91,19 @@ class Policy(ABC):
         # the predicted time of one decode step over given KV lengths (scheduler/step_time.py),
         # set by ``get_policy``; a driver may replace it as its constants are refitted
         self.step_time: StepTime = unit_step_time
-        # requests on their way to the pool (waiting for prefill, prefilling, or prefilled
-        # and not yet pooled) on prefill instances whose device also decodes: set by the
-        # driver's batcher before each ``next_batch``; decode steps spent before they are
-        # pooled are that device's time, which the prefills would use as well
-        self.incoming = 0
+        # the lengths, shortest first, of the requests on their way to the pool (waiting for
+        # prefill, prefilling, or prefilled and not yet pooled) on prefill instances whose
+        # device also decodes: set by the driver's batcher before each ``next_batch``;
+        # decode steps spent before they are pooled are that device's time, which the
+        # prefills would use as well
+        self.incoming: Sequence[int] = ()
+
+    def prefills_shortest_first(self) -> bool:
+        """Whether a prefill instance whose device also decodes should take its waiting
+        prompts shortest first (one overtaken by later arrivals in ``PREFILL_PASSES``
+        prefills goes first), so that the pool holds a backlog's shortest requests first;
+        else in arrival order. Asked before each such prefill."""
+        return False
 
     @abstractmethod
     def add(self, seq: SeqView) -> None:

@@ -161,18 +161,20 @@ class BatcherCore(Core):
                 return order
         return None
 
-    def incoming(self) -> int:
-        """Requests on their way to the pool from the prefill instances that share a device
-        with a decode instance (`Policy.incoming`); 0 while one of those waits for host-pool
-        room: the pool would not take them before a batch leaves it."""
-        count = 0
+    def incoming(self) -> list[int]:
+        """The lengths, shortest first, of the requests on their way to the pool from the
+        prefill instances that share a device with a decode instance (`Policy.incoming`);
+        none while one of those waits for host-pool room: the pool would not take them
+        before a batch leaves it."""
+        lengths: list[int] = []
         for i in self.shared_prefills:
             core = self.wiring.prefills[i].core
             if core.blocked and (self.kv.free_blocks("host")
                                  < self.kv.blocks_for(core.blocked[0].num_tokens)):
-                return 0
-            count += len(core.waiting) + len(core.prefilling) + len(core.blocked)
-        return count
+                return []
+            lengths += (seq.num_tokens for seq in (*core.waiting, *core.prefilling,
+                                                   *core.blocked))
+        return sorted(lengths)
 
     def match_order(self) -> list[int]:
         """The instances whose window wants a matching pass, the one with the most room

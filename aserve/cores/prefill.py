@@ -7,11 +7,14 @@ from typing import Any
 
 from aserve.cores.base import Core, Forward, Move, Pooled
 from aserve.engine.sequence import SeqState, SeqStatus
+from scheduler.policy import PREFILL_PASSES
 
 # -- prefill --------------------------------------------------------------------------
 # PrefillCore: one prefill instance. Packs waiting prompts under a token budget into one
 # forward pass; each prefilled request's KV then goes to the host pool, in order, while the
-# pool has room (backpressure: no prefill starts while an offload waits for room).
+# pool has room (backpressure: no prefill starts while an offload waits for room). In
+# arrival order, or shortest first where the policy asks (`Policy.prefills_shortest_first`)
+# and the device also decodes.
 
 
 class PrefillCore(Core):
@@ -22,17 +25,25 @@ class PrefillCore(Core):
         self.waiting: deque[SeqState] = deque()
         self.blocked: deque[SeqState] = deque()  # prefilled; waiting for host-pool room
         self.prefilling: list[SeqState] = []  # the forward in flight
+        config = ctx.config
+        self.shares_device = config.prefill_devices[index] in config.decode_devices
+        # prefills in which later arrivals overtook a waiting seq, by id (shortest first)
+        self.overtaken: dict[str, int] = {}
 
     def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
         self.life.transition(seq, SeqStatus.WAITING)
         (self.waiting.appendleft if front else self.waiting.append)(seq)
+        if self.shares_device:
+            self.overtaken[seq.seq_id] = PREFILL_PASSES if front else 0
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
         num = len(self.waiting)
         self.waiting = deque(self.life.reap(list(self.waiting), now))
         if len(self.waiting) < num:
+            self.overtaken = {s.seq_id: self.overtaken[s.seq_id] for s in self.waiting
+                              if s.seq_id in self.overtaken}
             self._left()
 
     def _left(self) -> None:
@@ -60,6 +71,9 @@ class PrefillCore(Core):
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
         self.reap(now)
+        shortest_first = self.shares_device and self.policy.prefills_shortest_first()
+        if shortest_first:
+            self._shortest_first()
         budget = self.sched.max_prefill_tokens
         batch: list[SeqState] = []
         while self.waiting:
@@ -72,14 +86,35 @@ class PrefillCore(Core):
                 assert batch, f"{seq.seq_id} does not fit the empty {self.name} store"
                 break
             batch.append(self.waiting.popleft())
+            self.overtaken.pop(seq.seq_id, None)
             budget -= seq.num_tokens
         if not batch:
             return None
+        if shortest_first:
+            self._count_overtakes(batch)
         self.prefilling = batch
         for seq in batch:
             self.life.transition(seq, SeqStatus.PREFILLING)
             self.life.event(seq.seq_id, "prefill_start", now)
         return Forward(self.name, batch, [seq.num_tokens for seq in batch], now)
+
+    def _shortest_first(self) -> None:
+        """Puts the waiting seqs in line: those overtaken in ``PREFILL_PASSES`` prefills
+        first, in line as they were, then the rest shortest first (ties in line order).
+        Forgets the seqs that left the line otherwise (reaped, or moved by a driver)."""
+        self.overtaken = {s.seq_id: self.overtaken[s.seq_id] for s in self.waiting}
+        due = [s for s in self.waiting if self.overtaken[s.seq_id] >= PREFILL_PASSES]
+        rest = sorted((s for s in self.waiting if self.overtaken[s.seq_id] < PREFILL_PASSES),
+                      key=lambda s: s.num_tokens)
+        self.waiting = deque(due + rest)
+
+    def _count_overtakes(self, batch: list[SeqState]) -> None:
+        """``batch`` leaves the line: every waiting seq that arrived before its latest
+        arrival was overtaken once more."""
+        latest = max(seq.request.arrival_time for seq in batch)
+        for seq in self.waiting:
+            if seq.request.arrival_time < latest:
+                self.overtaken[seq.seq_id] += 1
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,

@@ -1,14 +1,17 @@
-"""`aligned` forms no new batch while requests are on their way to the pool on a device
-that also decodes (`Policy.incoming`), where a spread of lengths costs; and the simulated
-cluster tells it so only where prefill and decode share a device."""
+"""`aligned` forms no new batch while requests on their way to the pool on a device that
+also decodes (`Policy.incoming`) could join it, where a spread of lengths costs; such a
+device prefills shortest first, a prompt overtaken by later arrivals for `PREFILL_PASSES`
+prefills first; and the simulated cluster does both only where prefill and decode share
+a device."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.workloads import synthetic
+from bench.workloads import Workload, WorkloadRequest, synthetic
 from scheduler import PolicyConfig, SeqView, get_policy
 from scheduler.aligned import CUT_SPAN
+from scheduler.policy import PREFILL_PASSES
 from sim import ClusterConfig, simulate
 from tests.cores.test_differential import cost_model
 
@@ -26,51 +29,85 @@ def pooled(step_time=padded):  # type: ignore[no-untyped-def]
 
 def test_it_waits_for_the_pool_while_more_is_coming_and_a_spread_costs() -> None:
     policy = pooled()
-    policy.incoming = 5
+    policy.incoming = [1000] * 5  # the whole pool fits one batch: any could join it
     assert policy.next_batch(10_000, 64, 0.0) == []
-    policy.incoming = 0
+    policy.incoming = []
     assert policy.next_batch(10_000, 64, 0.0)
+
+
+def test_it_does_not_wait_for_longer_requests_once_its_batch_is_cut() -> None:
+    policy = pooled()  # blocks 3, 4 and 57: the cut's first batch is s0 and s1
+    policy.incoming = [45, 1000]  # 45 is shorter than the batch's longest
+    assert policy.next_batch(10, 64, 0.0) == []
+    policy.incoming = [60, 1000]
+    assert sorted(policy.next_batch(10, 64, 0.0)) == ["s0", "s1"]
 
 
 def test_it_does_not_wait_where_a_step_costs_its_total_work() -> None:
     policy = pooled(lambda lengths: 1e-6 * (4096 + sum(lengths)))  # paged, split-K
-    policy.incoming = 5
+    policy.incoming = [10] * 5
     assert sorted(policy.next_batch(10_000, 64, 0.0)) == ["s0", "s1", "s2"]
 
 
 def test_it_waits_past_a_batch_until_the_pool_holds_what_the_cut_looks_at() -> None:
     policy = pooled()  # 64 blocks in all
-    policy.incoming = 5
+    policy.incoming = [10] * 5
     assert policy.next_batch(10, 64, 0.0) == []  # more than a batch, less than the span
     assert policy.next_batch(64 // CUT_SPAN - 1, 64, 0.0)  # more than the span: it cuts
 
 
-def first_decode_after_last_prefill(devices: dict[str, tuple[str, ...]]) -> bool:
+def backlog(devices: dict[str, tuple[str, ...]], max_batch_size: int = 32
+            ) -> tuple[list[int], list[int], bool]:
+    """The backlog's prompt lengths in arrival order and in the order they were prefilled,
+    and whether the first decode step started before the last prefill."""
     load = synthetic(24, short_ratio=0.75, short_range=(16, 48), long_range=(200, 300),
                      output_range=(8, 16), seed=2)
     cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
                                    num_staging_blocks=400, num_host_blocks=2000,
                                    max_prefill_tokens=256, min_requests=4,
-                                   max_batch_size=32, **devices)
+                                   max_batch_size=max_batch_size, **devices)
     result = simulate(load, "aligned", cluster, cost_model("padded"))
     assert result.num_finished == 24
-    prefills = [e.time for e in result.events if e.kind == "first_token"]
+    prefills = result.prefill_iterations
     decodes = [it.start_time for it in result.iterations if it.instance.startswith("decode")]
-    return min(decodes) >= max(prefills)
+    return ([r.prompt_len for r in load.requests], [n for it in prefills for n in it.lengths],
+            min(decodes) < prefills[-1].start_time)
 
 
-def test_a_shared_device_prefills_the_backlog_before_aligned_decodes() -> None:
-    assert first_decode_after_last_prefill({})  # one "cpu" for both
-    assert not first_decode_after_last_prefill(
-        {"prefill_devices": ("p0",), "decode_devices": ("d0",)})  # apart: no waiting
+def test_a_shared_device_prefills_a_backlog_shortest_first_and_decodes_meanwhile() -> None:
+    arrival, prefilled, overlap = backlog({})  # one "cpu" for both
+    assert prefilled == sorted(arrival) and prefilled != arrival
+    assert not overlap  # every pooled request fits one batch: the rest could join it
+    _, _, overlap = backlog({}, max_batch_size=8)
+    assert overlap  # the 8 shortest decode while the longer prompts are prefilled
+    arrival, prefilled, _ = backlog({"prefill_devices": ("p0",), "decode_devices": ("d0",)})
+    assert prefilled == arrival  # apart: arrival order, as every other policy
+
+
+def test_a_prompt_overtaken_by_later_arrivals_waits_a_bounded_number_of_prefills() -> None:
+    """A long prompt behind a stream of shorter ones: shortest first would leave it for
+    last; it goes once later arrivals have overtaken it in `PREFILL_PASSES` prefills."""
+    reqs = [WorkloadRequest("long", 300, 4, 0.0), WorkloadRequest("first", 20, 4, 0.0),
+            *(WorkloadRequest(f"s{i}", 20, 4, 1e-4 * (i + 1)) for i in range(40))]
+    cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
+                                   num_staging_blocks=400, num_host_blocks=2000,
+                                   max_prefill_tokens=64, min_requests=4, max_batch_size=32)
+    result = simulate(Workload("overtaken", tuple(reqs)), "aligned", cluster,
+                      cost_model("padded"))
+    assert result.num_finished == len(reqs)
+    first = next(e.time for e in result.events
+                 if e.kind == "first_token" and e.seq_id == "long")
+    before = [it.lengths for it in result.prefill_iterations if it.start_time < first]
+    # "first" (in line behind "long") and the stream overtake it PREFILL_PASSES times
+    assert before[:-1] == [(20,), *([(20, 20, 20)] * (PREFILL_PASSES - 1))]
+    assert before[-1] == (300,)
+    assert len(result.prefill_iterations) > len(before) + 3  # the stream went on after it
 
 
 def test_requests_that_end_before_the_pool_do_not_leave_aligned_waiting() -> None:
     """The last requests on their way to the pool end there (one output token, or an
     abort while they wait for prefill): the batcher is woken, and the pooled ones decode."""
     import dataclasses
-
-    from bench.workloads import Workload
 
     load = synthetic(24, short_ratio=0.75, short_range=(16, 48), long_range=(200, 300),
                      output_range=(8, 16), seed=2)
