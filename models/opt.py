@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_gemm, cpu_norm
+from models import cpu_gemm, cpu_norm, row_blocks
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -237,11 +237,14 @@ class HalfLinear(nn.Module):
             return out if residual is None else out.add_(residual)
         if self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH)
+        packed, bias, shape = self.packed, self.bias, tuple(self.weight.shape)
         if residual is not None and residual.dtype == x.dtype:
-            return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
-                x, residual, self.packed, self.bias, "add")
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias,
-                                                 "relu" if relu else "none", [], "")
+            return row_blocks.by_rows(
+                (shape, "add"), lambda x, r: torch.ops.mkldnn._linear_pointwise.binary(
+                    x, r, packed, bias, "add"), x, residual)
+        act = "relu" if relu else "none"
+        out = row_blocks.by_rows((shape, act), lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, packed, bias, act, [], ""), x)
         return out if residual is None else out.add_(residual)
 
     def silu_mul(self, x: Tensor) -> Tensor:
@@ -256,9 +259,13 @@ class HalfLinear(nn.Module):
                 for i, w in enumerate(self.weight.split(rows)))
         assert self.halves is not None
         (gate, gate_bias), (up, up_bias) = self.halves
-        g = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
-            x, g, up, up_bias, "mul")
+
+        def product(x: Tensor) -> Tensor:
+            g = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
+                x, g, up, up_bias, "mul")
+
+        return row_blocks.by_rows((tuple(self.weight.shape), "silu_mul"), product, x)
 
 
 def silu_mul(layer: nn.Module, x: Tensor) -> Tensor:

@@ -73,3 +73,29 @@ def test_silu_mul_fuses_the_gated_mlp_front(monkeypatch: pytest.MonkeyPatch) -> 
     got = models.opt.silu_mul(HalfLinear.of(fc), x)
     assert got.shape == (7, 96) and got.dtype == torch.bfloat16
     assert rel_err(got, torch.nn.functional.silu(gate) * up) < 2e-2
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_prompt_sized_products_match_in_row_blocks_or_whole(
+        split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of 1,100 tokens through a packed layer (plain, ReLU, residual add, and the
+    gated MLP's front), its products run whole or in `row_blocks.ROW_BLOCK` blocks."""
+    from models import row_blocks
+    monkeypatch.setattr(row_blocks, "_plans", {})
+    monkeypatch.setattr(row_blocks, "_measure", lambda product, rows: (
+        split, row_blocks._in_blocks(product, rows) if split else product(*rows)))
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)
+    g = torch.Generator().manual_seed(6)
+    fc = torch.nn.Linear(64, 2 * 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fc.weight.copy_(torch.randn(fc.weight.shape, generator=g) * 0.1)
+    x = torch.randn(1100, 64, generator=g).to(torch.bfloat16)
+    residual = torch.randn(1100, 2 * 96, generator=g).to(torch.bfloat16)
+    layer, want = HalfLinear.of(fc), fc(x).float()
+    for _ in range(2):  # measured, then planned
+        assert rel_err(layer(x), want) < 2e-2
+        assert rel_err(layer(x, relu=True), want.relu()) < 2e-2
+        assert rel_err(layer(x, residual=residual), want + residual.float()) < 2e-2
+        gate, up = want.chunk(2, dim=-1)
+        assert rel_err(layer.silu_mul(x), torch.nn.functional.silu(gate) * up) < 2e-2
+    assert set(row_blocks.plans().values()) == {split} and len(row_blocks.plans()) == 4
