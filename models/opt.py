@@ -218,6 +218,7 @@ class HalfLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.is_packed = weight.numel() >= PACK_MIN_WEIGHTS
+        self.shape = tuple(weight.shape)  # what `row_blocks` keys its choices by
         # NOTE: packed on the first forward, in the runner's thread (as Float32Linear).
         self.packed: Tensor | None = None
         self.halves: tuple[tuple[Tensor, Tensor | None], ...] | None = None  # `silu_mul`'s
@@ -237,7 +238,7 @@ class HalfLinear(nn.Module):
             return out if residual is None else out.add_(residual)
         if self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH)
-        packed, bias, shape = self.packed, self.bias, tuple(self.weight.shape)
+        packed, bias, shape = self.packed, self.bias, self.shape
         if residual is not None and residual.dtype == x.dtype:
             return row_blocks.by_rows(
                 (shape, "add"), lambda x, r: torch.ops.mkldnn._linear_pointwise.binary(
@@ -265,7 +266,7 @@ class HalfLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise.binary(  # type: ignore[no-any-return]
                 x, g, up, up_bias, "mul")
 
-        return row_blocks.by_rows((tuple(self.weight.shape), "silu_mul"), product, x)
+        return row_blocks.by_rows((self.shape, "silu_mul"), product, x)
 
 
 def silu_mul(layer: nn.Module, x: Tensor) -> Tensor:

@@ -91,8 +91,8 @@ class Policy(ABC):
         # the predicted time of one decode step over given KV lengths (scheduler/step_time.py),
         # set by ``get_policy``; a driver may replace it as its constants are refitted
         self.step_time: StepTime = unit_step_time
-        # the lengths, shortest first, of the requests on their way to the pool (waiting for
-        # prefill, prefilling, or prefilled and not yet pooled) on prefill instances whose
+        # the lengths of the requests on their way to the pool (waiting for prefill,
+        # prefilling, or prefilled and not yet pooled) on prefill instances whose
         # device also decodes: set by the driver's batcher before each ``next_batch``;
         # decode steps spent before they are pooled are that device's time, which the
         # prefills would use as well

@@ -162,10 +162,10 @@ class BatcherCore(Core):
         return None
 
     def incoming(self) -> list[int]:
-        """The lengths, shortest first, of the requests on their way to the pool from the
-        prefill instances that share a device with a decode instance (`Policy.incoming`);
-        none while one of those waits for host-pool room: the pool would not take them
-        before a batch leaves it."""
+        """The lengths of the requests on their way to the pool from the prefill instances
+        that share a device with a decode instance (`Policy.incoming`); none while one of
+        those waits for host-pool room: the pool would not take them before a batch leaves
+        it."""
         lengths: list[int] = []
         for i in self.shared_prefills:
             core = self.wiring.prefills[i].core
@@ -174,7 +174,7 @@ class BatcherCore(Core):
                 return []
             lengths += (seq.num_tokens for seq in (*core.waiting, *core.prefilling,
                                                    *core.blocked))
-        return sorted(lengths)
+        return lengths
 
     def match_order(self) -> list[int]:
         """The instances whose window wants a matching pass, the one with the most room
