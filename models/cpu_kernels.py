@@ -32,7 +32,14 @@ from models import cpu_isa
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+
+
+def march() -> str:
+    """The CPU the kernels are compiled for: this one (`native`), or the GCC `-march` name
+    in ASERVE_MARCH, e.g. `haswell` for AVX2 code that also runs on older x86 CPUs sharing
+    a cache, or to time this machine's AVX2 path (docs/results-cpu.md)."""
+    return os.environ.get("ASERVE_MARCH") or "native"
 
 # C shared by the kernels written for whole registers (`cpu_norm`, `cpu_rotary`,
 # `cpu_argmax`): GCC/Clang vector extensions of LANES floats, 16 where the CPU has AVX-512
@@ -103,7 +110,8 @@ def build(name: str, source: str, argtypes: list[Any] | None = None,
         return None
     # NOTE: -march=native code may not run on another CPU sharing this cache (a network home):
     # the key names this CPU's instruction sets.
-    key = "\n".join((source, " ".join((*FLAGS, *flags)), compiler, platform.machine(),
+    options = (*FLAGS, f"-march={march()}", *flags)
+    key = "\n".join((source, " ".join(options), compiler, platform.machine(),
                      cpu_isa.cpu_flags()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = _cache_dir() / f"{name}_{digest}.so"
@@ -113,7 +121,7 @@ def build(name: str, source: str, argtypes: list[Any] | None = None,
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src, built = Path(tmp) / f"{name}.c", Path(tmp) / path.name
                 src.write_text(source)
-                subprocess.run([compiler, *FLAGS, *flags, str(src), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *options, str(src), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 built.replace(path)  # atomic: concurrent processes see a whole library
         lib = ctypes.CDLL(str(path))

@@ -6,6 +6,8 @@ Parameter names mirror HF's `OPTForCausalLM` except the fused `qkv_proj` (see lo
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -128,6 +130,46 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
 PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
 KERNELS = ("gemm", "onednn", "torch")  # Float32Linear's GEMMs, in order of preference
+CHOICE_ROWS = (1, 16, PACK_BATCH)  # decode row counts the float32 GEMM choice is timed at
+CHOICE_TRIALS = 5  # timed products of each kernel at each row count (the fastest counts)
+CHOICE_MARGIN = 0.95  # oneDNN replaces the C GEMM only at most this share of its time
+
+# float32 weight shape -> the GEMM this process measured faster for it ("gemm" or "onednn")
+_float32_kernels: dict[tuple[int, ...], str] = {}
+
+
+def _seconds(product: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    product()
+    return time.perf_counter() - start
+
+
+def _faster_float32_kernel(weight: Tensor, bias: Tensor | None, panels: Tensor,
+                           dnn: Tensor) -> str:
+    """"gemm" or "onednn", whichever computes `x @ weight.T + bias` faster here over
+    `CHOICE_ROWS` (geometric mean of the time ratios, oneDNN only by `CHOICE_MARGIN`).
+    Which one wins depends on the CPU, the weight's shape and the thread count
+    (docs/results-cpu.md)."""
+    g = torch.Generator().manual_seed(0)
+    ratio = 1.0
+    for rows in CHOICE_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=g)
+
+        def gemm() -> Tensor | None:
+            return cpu_gemm.linear(x, panels, weight.shape[0], bias)
+
+        def onednn() -> Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, dnn, bias, "none", [], "")
+
+        if gemm() is None:  # the C GEMM cannot run this product (`forward` takes F.linear)
+            return "gemm"
+        onednn()  # warm-up
+        best = {"gemm": float("inf"), "onednn": float("inf")}
+        for _ in range(CHOICE_TRIALS):
+            for product in (gemm, onednn):
+                best[product.__name__] = min(best[product.__name__], _seconds(product))
+        ratio *= best["onednn"] / best["gemm"]
+    return "onednn" if ratio ** (1 / len(CHOICE_ROWS)) <= CHOICE_MARGIN else "gemm"
 
 
 class Float32Linear(nn.Module):
@@ -139,7 +181,9 @@ class Float32Linear(nn.Module):
 
     `kernel` is the first of `KERNELS` that runs here: `models.cpu_gemm` (C, 16-column
     panels; faster than oneDNN at decode shapes on an AVX2 CPU), oneDNN's prepacked linear,
-    or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`."""
+    or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. A float32
+    weight takes oneDNN instead of the C GEMM where that measures faster at its first
+    forward (`_faster_float32_kernel`)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -161,6 +205,9 @@ class Float32Linear(nn.Module):
         """The weight in `kernel`'s layout: `cpu_gemm` panels (bf16 weights stay bf16,
         widened exactly in the kernel: half the bytes per step and no float32 copy),
         oneDNN's float32 layout, or the float32 weight."""
+        if self.kernel == "gemm" and self.weight.dtype == torch.float32 and (
+                torch.backends.mkldnn.is_available()):
+            self.kernel = self._faster_kernel()
         if self.kernel == "gemm":
             self.packed = cpu_gemm.pack(self.weight)
             return self.packed
@@ -168,6 +215,18 @@ class Float32Linear(nn.Module):
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
                        if self.kernel == "onednn" else w)
         return self.packed
+
+    def _faster_kernel(self) -> str:
+        """The C GEMM or oneDNN for a float32 weight, as measured for its shape the first
+        time (`_faster_float32_kernel`); every layer of that shape then takes the same.
+        bf16 weights keep the C GEMM: its bf16 panels read half of oneDNN's float32 bytes."""
+        shape = tuple(self.weight.shape)
+        if shape not in _float32_kernels:
+            w = self.weight.detach()
+            _float32_kernels[shape] = _faster_float32_kernel(
+                w, self.bias, cpu_gemm.pack(w),
+                torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH))
+        return _float32_kernels[shape]
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Float32Linear:

@@ -7,7 +7,9 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import models.opt
-from models import cpu_gemm, cpu_kernels
+from models import cpu_gemm, cpu_isa, cpu_kernels
 from models.opt import Float32Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.is_available(), reason="no C compiler")
@@ -311,3 +313,57 @@ def test_helpers_that_spin_or_sleep_between_calls_compute_the_same(waits: dict[s
                          env={**env, **waits}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@needs_kernel
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize(("faster", "dtype"), [("onednn", torch.float32),
+                                               ("gemm", torch.float32),
+                                               ("onednn", torch.bfloat16)])
+def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
+        monkeypatch: pytest.MonkeyPatch, faster: str, dtype: torch.dtype) -> None:
+    """A float32 weight takes the GEMM its first forward times faster (here a fake clock
+    says which), every layer of its shape the same without timing again; a bf16 weight
+    keeps the C GEMM's bf16 panels untimed. Either way the outputs are torch's."""
+    timed: list[str] = []
+
+    def seconds(product: Callable[[], object]) -> float:
+        timed.append(product.__name__)
+        product()
+        return 1.0 if product.__name__ == faster else 2.0
+
+    monkeypatch.setattr(models.opt, "_seconds", seconds)
+    monkeypatch.setattr(models.opt, "_float32_kernels", {})
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)
+    torch.manual_seed(3)
+    fcs = [nn.Linear(96, 130).to(dtype) for _ in range(2)]
+    layers = [Float32Linear.of(fc) for fc in fcs]
+    x = torch.randn(5, 96)
+    with torch.inference_mode():
+        for fc, layer in zip(fcs, layers):
+            want = F.linear(x, fc.weight.float(), fc.bias.float())
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    expected = faster if dtype == torch.float32 else "gemm"
+    assert [layer.kernel for layer in layers] == [expected, expected]
+    if dtype == torch.float32:
+        rounds = len(models.opt.CHOICE_ROWS) * models.opt.CHOICE_TRIALS
+        assert sorted(timed) == ["gemm"] * rounds + ["onednn"] * rounds  # the first only
+    else:
+        assert timed == []
+
+
+@needs_kernel
+def test_kernels_compile_for_the_cpu_named_in_aserve_march(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """ASERVE_MARCH=haswell builds AVX2 code on any x86 CPU (its own library in the cache);
+    unset, the kernels use all of this CPU's vector registers."""
+    if "avx2" not in cpu_isa.cpu_flags().split():
+        pytest.skip("not an x86 CPU with AVX2")
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path))
+    source = "int lanes(void) {\n#ifdef __AVX512F__\nreturn 16;\n#else\nreturn 8;\n#endif\n}\n"
+    native_lanes = 16 if "avx512f" in cpu_isa.cpu_flags().split() else 8
+    for march, lanes in (("", native_lanes), ("haswell", 8)):
+        monkeypatch.setenv("ASERVE_MARCH", march)
+        lib = cpu_kernels.build("lanes", source, [])
+        assert lib is not None and lib.lanes() == lanes
+    assert len(list(tmp_path.glob("lanes_*.so"))) == 2
