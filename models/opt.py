@@ -130,7 +130,8 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
 PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
 KERNELS = ("gemm", "onednn", "torch")  # Float32Linear's GEMMs, in order of preference
-CHOICE_ROWS = (1, 16, PACK_BATCH)  # decode row counts the float32 GEMM choice is timed at
+WIDE_ROWS = 16  # products of fewer rows keep the C GEMM (oneDNN's wake-ups cost more there)
+CHOICE_ROWS = (WIDE_ROWS, PACK_BATCH)  # row counts the float32 GEMM choice is timed at
 CHOICE_TRIALS = 5  # timed products of each kernel at each row count (the fastest counts)
 CHOICE_MARGIN = 0.95  # oneDNN replaces the C GEMM only at most this share of its time
 
@@ -147,7 +148,8 @@ def _seconds(product: Callable[[], object]) -> float:
 def _faster_float32_kernel(weight: Tensor, bias: Tensor | None, panels: Tensor,
                            dnn: Tensor) -> str:
     """"gemm" or "onednn", whichever computes `x @ weight.T + bias` faster here over
-    `CHOICE_ROWS` (geometric mean of the time ratios, oneDNN only by `CHOICE_MARGIN`).
+    `CHOICE_ROWS` (geometric mean of the time ratios, oneDNN only by `CHOICE_MARGIN`), for
+    products of at least `WIDE_ROWS` rows.
     Which one wins depends on the CPU, the weight's shape and the thread count
     (docs/results-cpu.md)."""
     g = torch.Generator().manual_seed(0)
@@ -181,9 +183,10 @@ class Float32Linear(nn.Module):
 
     `kernel` is the first of `KERNELS` that runs here: `models.cpu_gemm` (C, 16-column
     panels; faster than oneDNN at decode shapes on an AVX2 CPU), oneDNN's prepacked linear,
-    or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. A float32
-    weight takes oneDNN instead of the C GEMM where that measures faster at its first
-    forward (`_faster_float32_kernel`)."""
+    or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. Products of
+    `WIDE_ROWS` rows or more of a float32 weight take oneDNN instead of the C GEMM where
+    that measured faster at its first forward (`_faster_float32_kernel`): such a weight is
+    packed twice."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -196,6 +199,7 @@ class Float32Linear(nn.Module):
         # NOTE: packed on the first forward, in the runner's thread: packing opt-125m takes
         # seconds on a slow CPU, which start-up (and /health) should not wait for.
         self.packed: Tensor | None = None  # the weight in `kernel`'s layout (`_pack`)
+        self.wide: Tensor | None = None  # oneDNN's layout for WIDE_ROWS+ rows, if faster
 
     @property
     def is_packed(self) -> bool:
@@ -206,8 +210,9 @@ class Float32Linear(nn.Module):
         widened exactly in the kernel: half the bytes per step and no float32 copy),
         oneDNN's float32 layout, or the float32 weight."""
         if self.kernel == "gemm" and self.weight.dtype == torch.float32 and (
-                torch.backends.mkldnn.is_available()):
-            self.kernel = self._faster_kernel()
+                torch.backends.mkldnn.is_available()) and self._faster_kernel() == "onednn":
+            self.wide = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                PACK_BATCH)
         if self.kernel == "gemm":
             self.packed = cpu_gemm.pack(self.weight)
             return self.packed
@@ -217,8 +222,9 @@ class Float32Linear(nn.Module):
         return self.packed
 
     def _faster_kernel(self) -> str:
-        """The C GEMM or oneDNN for a float32 weight, as measured for its shape the first
-        time (`_faster_float32_kernel`); every layer of that shape then takes the same.
+        """The C GEMM or oneDNN for a float32 weight's wide products, as measured for its
+        shape the first time (`_faster_float32_kernel`); every layer of that shape then
+        takes the same.
         bf16 weights keep the C GEMM: its bf16 panels read half of oneDNN's float32 bytes."""
         shape = tuple(self.weight.shape)
         if shape not in _float32_kernels:
@@ -239,12 +245,15 @@ class Float32Linear(nn.Module):
         pass over it); with the C GEMM a float32 `norm` runs in its input pass too."""
         x32 = x.float()  # [num_tokens, in]
         packed = self._pack() if self.packed is None else self.packed
+        kernel = self.kernel
+        if self.wide is not None and x.shape[0] >= WIDE_ROWS:
+            kernel, packed = "onednn", self.wide
         fuse_residual = residual is not None and residual.dtype == torch.float32
-        if norm is not None and not (self.kernel == "gemm" and all(
+        if norm is not None and not (kernel == "gemm" and all(
                 p.dtype == torch.float32 for p in norm.parameters())):
             x32, norm = norm(x32), None  # torch's LayerNorm, then the GEMM alone
         out: Tensor | None = None
-        if self.kernel == "gemm":
+        if kernel == "gemm":
             out = cpu_gemm.linear(x32, packed, self.weight.shape[0], self.bias, relu,
                                   residual if fuse_residual else None, norm)
             if out is not None:
@@ -252,11 +261,11 @@ class Float32Linear(nn.Module):
                 return out if residual is None or fuse_residual else out.add_(residual)
             packed = self.weight.detach().float()  # not runnable here: F.linear below
             x32 = x32 if norm is None else norm(x32)
-        elif self.kernel == "onednn" and fuse_residual:
+        elif kernel == "onednn" and fuse_residual:
             out = torch.ops.mkldnn._linear_pointwise.binary(x32, residual, packed, self.bias,
                                                             "add")
             return out.to(x.dtype)  # [num_tokens, out]
-        if self.kernel == "onednn":
+        if kernel == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x32, packed, self.bias,
                                                      "relu" if relu else "none", [], "")
         else:

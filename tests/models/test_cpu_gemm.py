@@ -322,9 +322,10 @@ def test_helpers_that_spin_or_sleep_between_calls_compute_the_same(waits: dict[s
                                                ("onednn", torch.bfloat16)])
 def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
         monkeypatch: pytest.MonkeyPatch, faster: str, dtype: torch.dtype) -> None:
-    """A float32 weight takes the GEMM its first forward times faster (here a fake clock
-    says which), every layer of its shape the same without timing again; a bf16 weight
-    keeps the C GEMM's bf16 panels untimed. Either way the outputs are torch's."""
+    """A float32 weight's products of WIDE_ROWS rows or more take the GEMM its first
+    forward times faster (here a fake clock says which), every layer of its shape the same
+    without timing again; fewer rows, and a bf16 weight, keep the C GEMM (bf16 panels,
+    untimed). Either way the outputs are torch's."""
     timed: list[str] = []
 
     def seconds(product: Callable[[], object]) -> float:
@@ -338,13 +339,19 @@ def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
     torch.manual_seed(3)
     fcs = [nn.Linear(96, 130).to(dtype) for _ in range(2)]
     layers = [Float32Linear.of(fc) for fc in fcs]
-    x = torch.randn(5, 96)
     with torch.inference_mode():
-        for fc, layer in zip(fcs, layers):
-            want = F.linear(x, fc.weight.float(), fc.bias.float())
-            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-    expected = faster if dtype == torch.float32 else "gemm"
-    assert [layer.kernel for layer in layers] == [expected, expected]
+        for rows in (models.opt.WIDE_ROWS, 1, 40):
+            x, residual = torch.randn(rows, 96), torch.randn(rows, 130)
+            for fc, layer in zip(fcs, layers):
+                want = F.linear(x, fc.weight.float(), fc.bias.float())
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(layer(x, relu=True), want.relu(), rtol=1e-5,
+                                           atol=1e-5)
+                torch.testing.assert_close(layer(x, residual=residual), want + residual,
+                                           rtol=1e-5, atol=1e-5)
+    wide = faster == "onednn" and dtype == torch.float32
+    assert [layer.kernel for layer in layers] == ["gemm", "gemm"]
+    assert [layer.wide is not None for layer in layers] == [wide, wide]
     if dtype == torch.float32:
         rounds = len(models.opt.CHOICE_ROWS) * models.opt.CHOICE_TRIALS
         assert sorted(timed) == ["gemm"] * rounds + ["onednn"] * rounds  # the first only
