@@ -135,8 +135,8 @@ CHOICE_ROWS = (WIDE_ROWS, PACK_BATCH)  # row counts the float32 GEMM choice is t
 CHOICE_TRIALS = 5  # timed products of each kernel at each row count (the fastest counts)
 CHOICE_MARGIN = 0.95  # oneDNN replaces the C GEMM only at most this share of its time
 
-# float32 weight shape -> the GEMM this process measured faster for it ("gemm" or "onednn")
-_float32_kernels: dict[tuple[int, ...], str] = {}
+# (weight shape..., dtype) -> the GEMM this process measured faster ("gemm" or "onednn")
+_float32_kernels: dict[tuple[object, ...], str] = {}
 
 
 def _seconds(product: Callable[[], object]) -> float:
@@ -155,7 +155,7 @@ def _faster_float32_kernel(weight: Tensor, bias: Tensor | None, panels: Tensor,
     g = torch.Generator().manual_seed(0)
     ratio = 1.0
     for rows in CHOICE_ROWS:
-        x = torch.randn(rows, weight.shape[1], generator=g)
+        x = torch.randn(rows, weight.shape[1], generator=g)  # float32 activations
 
         def gemm() -> Tensor | None:
             return cpu_gemm.linear(x, panels, weight.shape[0], bias)
@@ -184,9 +184,9 @@ class Float32Linear(nn.Module):
     `kernel` is the first of `KERNELS` that runs here: `models.cpu_gemm` (C, 16-column
     panels; faster than oneDNN at decode shapes on an AVX2 CPU), oneDNN's prepacked linear,
     or `F.linear`; weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. Products of
-    `WIDE_ROWS` rows or more of a float32 weight take oneDNN instead of the C GEMM where
-    that measured faster at its first forward (`_faster_float32_kernel`): such a weight is
-    packed twice."""
+    `WIDE_ROWS` rows or more take oneDNN instead of the C GEMM where that measured faster
+    at the weight's first forward (`_faster_float32_kernel`): such a weight is packed
+    twice, and a bf16/fp16 one the second time in float32 (twice its bytes)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -209,9 +209,9 @@ class Float32Linear(nn.Module):
         """The weight in `kernel`'s layout: `cpu_gemm` panels (bf16 weights stay bf16,
         widened exactly in the kernel: half the bytes per step and no float32 copy),
         oneDNN's float32 layout, or the float32 weight."""
-        if self.kernel == "gemm" and self.weight.dtype == torch.float32 and (
-                torch.backends.mkldnn.is_available()) and self._faster_kernel() == "onednn":
-            self.wide = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+        if self.kernel == "gemm" and torch.backends.mkldnn.is_available() and (
+                self._faster_kernel() == "onednn"):
+            self.wide = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(),
                                                                 PACK_BATCH)
         if self.kernel == "gemm":
             self.packed = cpu_gemm.pack(self.weight)
@@ -222,17 +222,17 @@ class Float32Linear(nn.Module):
         return self.packed
 
     def _faster_kernel(self) -> str:
-        """The C GEMM or oneDNN for a float32 weight's wide products, as measured for its
-        shape the first time (`_faster_float32_kernel`); every layer of that shape then
-        takes the same.
-        bf16 weights keep the C GEMM: its bf16 panels read half of oneDNN's float32 bytes."""
-        shape = tuple(self.weight.shape)
-        if shape not in _float32_kernels:
+        """The C GEMM or oneDNN for the wide products, as measured for the weight's shape
+        and dtype the first time (`_faster_float32_kernel`); every layer of that shape then
+        takes the same. A bf16/fp16 weight is timed as it would run: the C GEMM's half
+        panels against oneDNN's float32 copy."""
+        key = (*self.weight.shape, self.weight.dtype)
+        if key not in _float32_kernels:
             w = self.weight.detach()
-            _float32_kernels[shape] = _faster_float32_kernel(
+            _float32_kernels[key] = _faster_float32_kernel(
                 w, self.bias, cpu_gemm.pack(w),
-                torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH))
-        return _float32_kernels[shape]
+                torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_BATCH))
+        return _float32_kernels[key]
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Float32Linear:
@@ -514,7 +514,8 @@ class OPTForCausalLM(nn.Module):
     def use_float32_matmuls(self) -> None:
         """Computes every linear layer and the LM head in float32 from prepacked weights
         (`Float32Linear`; memory: one packed copy of the matmul weights besides the
-        originals, in float32 or, with the C GEMM, in a bf16 model's bf16), and keeps
+        originals, in float32 or, with the C GEMM, in a bf16 model's bf16, and a float32
+        one more where oneDNN measured faster for wide products), and keeps
         the activations between them (residual stream, LayerNorms, queries and attention
         outputs) in float32, so that nothing converts
         around each matmul; the embedding tables and the KV cache keep the model's dtype

@@ -319,13 +319,14 @@ def test_helpers_that_spin_or_sleep_between_calls_compute_the_same(waits: dict[s
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 @pytest.mark.parametrize(("faster", "dtype"), [("onednn", torch.float32),
                                                ("gemm", torch.float32),
-                                               ("onednn", torch.bfloat16)])
+                                               ("onednn", torch.bfloat16),
+                                               ("gemm", torch.bfloat16)])
 def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
         monkeypatch: pytest.MonkeyPatch, faster: str, dtype: torch.dtype) -> None:
-    """A float32 weight's products of WIDE_ROWS rows or more take the GEMM its first
-    forward times faster (here a fake clock says which), every layer of its shape the same
-    without timing again; fewer rows, and a bf16 weight, keep the C GEMM (bf16 panels,
-    untimed). Either way the outputs are torch's."""
+    """Products of WIDE_ROWS rows or more take the GEMM the weight's first forward times
+    faster (here a fake clock says which), every layer of its shape and dtype the same
+    without timing again; fewer rows keep the C GEMM (a bf16 weight's bf16 panels). Either
+    way the outputs are torch's on the float32 widening of the weight."""
     timed: list[str] = []
 
     def seconds(product: Callable[[], object]) -> float:
@@ -349,14 +350,12 @@ def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
                                            atol=1e-5)
                 torch.testing.assert_close(layer(x, residual=residual), want + residual,
                                            rtol=1e-5, atol=1e-5)
-    wide = faster == "onednn" and dtype == torch.float32
+    wide = faster == "onednn"
     assert [layer.kernel for layer in layers] == ["gemm", "gemm"]
     assert [layer.wide is not None for layer in layers] == [wide, wide]
-    if dtype == torch.float32:
-        rounds = len(models.opt.CHOICE_ROWS) * models.opt.CHOICE_TRIALS
-        assert sorted(timed) == ["gemm"] * rounds + ["onednn"] * rounds  # the first only
-    else:
-        assert timed == []
+    assert all(layer.wide is None or layer.wide.dtype == torch.float32 for layer in layers)
+    rounds = len(models.opt.CHOICE_ROWS) * models.opt.CHOICE_TRIALS
+    assert sorted(timed) == ["gemm"] * rounds + ["onednn"] * rounds  # the first layer only
 
 
 @needs_kernel
