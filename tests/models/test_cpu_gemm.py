@@ -356,6 +356,15 @@ def test_float32_linear_takes_the_gemm_measured_faster_once_per_shape(
     assert all(layer.wide is None or layer.wide.dtype == torch.float32 for layer in layers)
     rounds = len(models.opt.CHOICE_ROWS) * models.opt.CHOICE_TRIALS
     assert sorted(timed) == ["gemm"] * rounds + ["onednn"] * rounds  # the first layer only
+    c_rows: list[int] = []  # the row counts the C GEMM computes from here on
+    c_gemm = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear",
+                        lambda x, *a, **k: c_rows.append(x.shape[0]) or c_gemm(x, *a, **k))
+    with torch.inference_mode():
+        for rows in (1, models.opt.WIDE_ROWS - 1, models.opt.WIDE_ROWS, 64):
+            layers[1](torch.randn(rows, 96))
+    assert c_rows == [1, models.opt.WIDE_ROWS - 1] + (
+        [] if wide else [models.opt.WIDE_ROWS, 64])
 
 
 @needs_kernel
