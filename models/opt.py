@@ -6,8 +6,6 @@ Parameter names mirror HF's `OPTForCausalLM` except the fused `qkv_proj` (see lo
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_gemm, cpu_norm, row_blocks
+from models import cpu_gemm, cpu_norm, measure, row_blocks
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -139,12 +137,6 @@ CHOICE_MARGIN = 0.95  # oneDNN replaces the C GEMM only at most this share of it
 _float32_kernels: dict[tuple[object, ...], str] = {}
 
 
-def _seconds(product: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    product()
-    return time.perf_counter() - start
-
-
 def _faster_float32_kernel(weight: Tensor, bias: Tensor | None, panels: Tensor,
                            dnn: Tensor) -> str:
     """"gemm" or "onednn", whichever computes `x @ weight.T + bias` faster here over
@@ -166,10 +158,7 @@ def _faster_float32_kernel(weight: Tensor, bias: Tensor | None, panels: Tensor,
         if gemm() is None:  # the C GEMM cannot run this product (`forward` takes F.linear)
             return "gemm"
         onednn()  # warm-up
-        best = {"gemm": float("inf"), "onednn": float("inf")}
-        for _ in range(CHOICE_TRIALS):
-            for product in (gemm, onednn):
-                best[product.__name__] = min(best[product.__name__], _seconds(product))
+        best, _ = measure.best_seconds({"gemm": gemm, "onednn": onednn}, CHOICE_TRIALS)
         ratio *= best["onednn"] / best["gemm"]
     return "onednn" if ratio ** (1 / len(CHOICE_ROWS)) <= CHOICE_MARGIN else "gemm"
 
@@ -209,30 +198,29 @@ class Float32Linear(nn.Module):
         """The weight in `kernel`'s layout: `cpu_gemm` panels (bf16 weights stay bf16,
         widened exactly in the kernel: half the bytes per step and no float32 copy),
         oneDNN's float32 layout, or the float32 weight."""
-        if self.kernel == "gemm" and torch.backends.mkldnn.is_available() and (
-                self._faster_kernel() == "onednn"):
-            self.wide = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(),
-                                                                PACK_BATCH)
         if self.kernel == "gemm":
             self.packed = cpu_gemm.pack(self.weight)
+            if torch.backends.mkldnn.is_available():
+                self.wide = self._wide_layout(self.packed)
             return self.packed
         w = self.weight.detach().float()  # [out, in]
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
                        if self.kernel == "onednn" else w)
         return self.packed
 
-    def _faster_kernel(self) -> str:
-        """The C GEMM or oneDNN for the wide products, as measured for the weight's shape
-        and dtype the first time (`_faster_float32_kernel`); every layer of that shape then
-        takes the same. A bf16/fp16 weight is timed as it would run: the C GEMM's half
+    def _wide_layout(self, panels: Tensor) -> Tensor | None:
+        """The weight in oneDNN's float32 layout where oneDNN computes the wide products
+        faster than the C GEMM from ``panels``, else None: measured for the weight's shape
+        and dtype the first time (`_faster_float32_kernel`), every layer of that shape then
+        taking the same. A bf16/fp16 weight is timed as it would run: the C GEMM's half
         panels against oneDNN's float32 copy."""
         key = (*self.weight.shape, self.weight.dtype)
+        if _float32_kernels.get(key) == "gemm":
+            return None
+        dnn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(), PACK_BATCH)
         if key not in _float32_kernels:
-            w = self.weight.detach()
-            _float32_kernels[key] = _faster_float32_kernel(
-                w, self.bias, cpu_gemm.pack(w),
-                torch.ops.mkldnn._reorder_linear_weight(w.float(), PACK_BATCH))
-        return _float32_kernels[key]
+            _float32_kernels[key] = _faster_float32_kernel(self.weight, self.bias, panels, dnn)
+        return dnn if _float32_kernels[key] == "onednn" else None
 
     @classmethod
     def of(cls, linear: nn.Linear) -> Float32Linear:

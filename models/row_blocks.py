@@ -16,11 +16,12 @@ its choice, so the same step gives the same outputs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from models import measure
 
 ROW_BLOCK = 256  # rows per block; products over fewer than 2 blocks always run whole
 TRIALS = 3  # timed runs of each way, per bucket
@@ -57,16 +58,10 @@ def _in_blocks(product: Callable[..., Tensor], rows: tuple[Tensor, ...]) -> Tens
 def _measure(product: Callable[..., Tensor], rows: tuple[Tensor, ...]) -> tuple[bool, Tensor]:
     """Whether blocks beat the whole product here, and the product computed the way
     chosen."""
-    whole = blocks = float("inf")
-    for _ in range(TRIALS):
-        start = time.perf_counter()
-        in_blocks = _in_blocks(product, rows)
-        blocks = min(blocks, time.perf_counter() - start)
-        start = time.perf_counter()
-        out = product(*rows)
-        whole = min(whole, time.perf_counter() - start)
-    split = blocks < MARGIN * whole
-    return split, in_blocks if split else out
+    best, outs = measure.best_seconds({"blocks": lambda: _in_blocks(product, rows),
+                                       "whole": lambda: product(*rows)}, TRIALS)
+    split = best["blocks"] < MARGIN * best["whole"]
+    return split, outs["blocks" if split else "whole"]
 
 
 def plans() -> dict[tuple[object, int], bool]:
