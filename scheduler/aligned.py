@@ -41,7 +41,8 @@ SPREAD_TOLERANCE = 1e-3  # share of a step's time below which a spread of length
 # in the candidate requests buffer, until blocks for all its KV are free: long for a long
 # seq on a full decode instance, spread over few tokens. So a seq that has waited through
 # more than STALL_STEPS of its instance's steps for its next token goes first, in the order
-# it stalled. Admissions also leave the running seqs room to grow for HEADROOM_STEPS more
+# it stalled (in a backlog that arrived at once, only one that pads no running seq:
+# ``_stalled``). Admissions also leave the running seqs room to grow for HEADROOM_STEPS more
 # steps (at most HEADROOM_SHARE of the instance's blocks), so that evictions become rare;
 # the stall bound alone does not keep P99 TPOT down. That room is held back from the
 # candidate batch too, whose seqs wait for their second token meanwhile, so it shrinks as
@@ -305,7 +306,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         pay (``alignment_pays`` over the pool and the lengths at hand), the seqs with the most
         output left run first (``_plan_by_output_left``: evict the seqs with the most tokens
         generated first, admit those with the fewest first, past one that does not fit yet).
-        Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first,
+        Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first
+        (``_stalled``: while later arrivals came, or within the running seqs' lengths),
         strictly in the order they stalled (nothing else joins until they do). Otherwise,
         with ``HEADROOM_STEPS`` of
         growth kept free (``with_headroom``; less as the candidate batch waits,
@@ -453,12 +455,25 @@ class AlignedPolicy(AlignedStrictPolicy):
                            if self._tick - v[2] <= WAITS_KEPT}
         return counts
 
-    @staticmethod
-    def _stalled(view: BoundaryView, waited: dict[tuple[str, object], int]) -> list[SeqView]:
+    def _stalled(self, view: BoundaryView, waited: dict[tuple[str, object], int]
+                 ) -> list[SeqView]:
         """Candidate requests (evicted seqs, mostly) that have waited through more than
-        ``STALL_STEPS`` boundaries for a token, longest stalled first."""
+        ``STALL_STEPS`` boundaries for a token, longest stalled first: where later arrivals
+        came meanwhile (as starvation, ``starvation_clock``), or where they are no longer
+        than the longest running seq.
+
+        NOTE: a backlog that arrived at once (offline) is finite and drains in the order
+        the cost model prefers, as under the starvation threshold, except that a seq the
+        running batch spans joins it after the bound (it pads no one else; left out, such
+        seqs made a last batch of their own, too small to pay for its steps). Forced in
+        after the bound, a backlog's longer leftovers joined a long-running batch one by
+        one, each a little longer than its longest, and padded its every seq for the rest
+        of its life."""
+        clock = self.starvation_clock(view.now)
+        longest = max((s.length for s in view.running), default=0)
         stalled = [s for s in view.candidate_requests
-                   if waited.get(("seq", s.seq_id), 0) > STALL_STEPS]
+                   if waited.get(("seq", s.seq_id), 0) > STALL_STEPS
+                   and (clock > s.wait_start or s.length <= longest)]
         return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
 
     @staticmethod

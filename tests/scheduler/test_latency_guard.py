@@ -69,6 +69,44 @@ def test_without_the_stall_bound_the_stream_of_short_ones_keeps_it_out(
     assert _run_stream(num_steps=10 * 32) is None
 
 
+def test_a_backlog_that_arrived_at_once_drains_in_the_cost_models_order() -> None:
+    # Offline: nothing arrives after the long request, so however long it waits it is not
+    # forced into the short ones' batch, which it would pad; it runs once they are served.
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    running = [SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(8)]
+    waiting = [SeqView("long", LONG, LONG // BLOCK_SIZE, 0.0, -1, waiting_since=0.0),
+               *(SeqView(f"s{i}", SHORT, 7, 0.0, -1, waiting_since=0.0)
+                 for i in range(3 * aligned.STALL_STEPS))]
+    requests = {s.seq_id: s for s in waiting}
+    order, now = [], 0.0
+    for _ in range(10 * aligned.STALL_STEPS):
+        now += padded_step_time([s.length for s in running])
+        if running:
+            running.pop(0)  # one finishes
+        view = BoundaryView(tuple(running), 10_000, BLOCK_SIZE, MAX_BATCH,
+                            tuple(requests.values()), (), 1, now)
+        plan = policy.plan_boundary(view)
+        for seq_id in plan.admit_requests:
+            running.append(requests.pop(seq_id))
+            order.append(seq_id)
+        running = [dataclasses.replace(s, length=s.length + 1) for s in running]
+        if "long" in order:
+            break
+    assert order[-1] == "long" and len(order) == len(waiting)  # last, and not left out
+
+
+def test_a_backlog_seq_the_running_batch_spans_joins_after_the_stall_bound() -> None:
+    # Offline too: a seq no longer than the running batch's longest pads no one else, so
+    # once stalled it joins rather than wait to make a last, small batch of its own.
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
+    running = tuple(SeqView(f"r{i}", LONG, LONG // BLOCK_SIZE, 0.0, 1) for i in range(8))
+    middle = SeqView("middle", LONG // 2, LONG // 2 // BLOCK_SIZE, 0.0, -1, waiting_since=0.0)
+    view = BoundaryView(running, 10_000, BLOCK_SIZE, MAX_BATCH, (middle,), (), 1, now=10.0)
+    plans = [policy.plan_boundary(view) for _ in range(aligned.STALL_STEPS + 1)]
+    assert not any(plan.admit_requests for plan in plans[:-1])  # it would raise the waste
+    assert plans[-1].admit_requests == ("middle",)
+
+
 def test_a_stalled_seq_that_does_not_fit_holds_every_other_admission_back() -> None:
     policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded_step_time)
     running = tuple(SeqView(f"r{i}", SHORT, 7, 0.0, 1) for i in range(4))
