@@ -91,17 +91,17 @@ _SOURCE = HEADER + r"""
 
 enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
 
-/* exp of 16 floats <= 0 for weights that are rounded to bf16: 2^(x log2 e) as a degree-5
-   polynomial of the fraction (relative error about 3e-6, far below bf16's 4e-3) scaled by
-   the integer part; inputs below -87 (masked scores: -inf) give 0 */
+/* exp of 16 floats <= 0 for weights that are rounded to bf16: 2^(x log2 e) as a degree-4
+   polynomial of the fraction (relative error about 5e-5, far below bf16's 4e-3) scaled by
+   the integer part; inputs below -87 (masked scores: -inf) give 0, not a denormal (whose
+   arithmetic is slow) */
 static inline __m512 exp16_weights(__m512 x) {
     const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
                                    _mm512_set1_ps(1.44269504f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
@@ -164,26 +164,27 @@ static void scores_tiles(const uint16_t *q, int64_t dim, const uint32_t *kt, flo
     _tile_stored(3, scores + 48, BK * 4);
 }
 
-/* o[m] = alpha[m] o[m] + the p[m] weights (BK bf16) . V[tile keys] for 16 queries on the
-   tiles: the packed V (key pairs x dimensions) is tile B as it lies */
+/* o[m] = alpha[m] o[m] + the p[m] weights (BK bf16) . V[tile keys] for 16 queries: the
+   product on the tiles (the packed V, key pairs x dimensions, is tile B as it lies) into
+   pv, then the rescale and the sum in one vector pass over o */
 static void values_tiles(const uint32_t *p, const float *alpha, const uint16_t *vt,
                          int64_t dim, float *o) {
-    const __mmask16 same = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha), _mm512_set1_ps(1.0f),
-                                              _CMP_EQ_OQ);
-    for (int64_t m = 0; m < 16 && same != 0xffff; m++) {  /* no maximum moved: nothing */
-        const __m512 a = _mm512_set1_ps(alpha[m]);
-        for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(o + m * dim + d, _mm512_mul_ps(a, _mm512_loadu_ps(o + m * dim + d)));
-    }
+    float pv[16 * dim];
     _tile_loadd(4, p, BK * 2);            /* keys [0, 32) */
     _tile_loadd(5, p + 16, BK * 2);       /* keys [32, 64) */
     for (int64_t d = 0; d < dim; d += 16) {
-        _tile_loadd(0, o + d, dim * 4);
+        _tile_zero(0);
         _tile_loadd(6, vt + 2 * d, dim * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, vt + 16 * 2 * dim + 2 * d, dim * 4);
         _tile_dpbf16ps(0, 5, 7);
-        _tile_stored(0, o + d, dim * 4);
+        _tile_stored(0, pv + d, dim * 4);
+    }
+    for (int64_t m = 0; m < 16; m++) {
+        const __m512 a = _mm512_set1_ps(alpha[m]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(o + m * dim + d, _mm512_fmadd_ps(a, _mm512_loadu_ps(o + m * dim + d),
+                                                              _mm512_loadu_ps(pv + m * dim + d)));
     }
 }
 #endif
@@ -281,6 +282,7 @@ static inline __attribute__((always_inline)) void values_tile(
         for (int c = 0; c < nc; c++) _mm512_storeu_ps(o + m * dim + (c0 + c) * 16, acc[m][c]);
 }
 
+/* scores: two halves of padded x BK (this key tile's and the next's) */
 typedef struct { float *scores, *o, *peak, *total, *top, *alpha; uint32_t *q, *p; } Scratch;
 
 /* One work item: KV head h of sequence s, query rows [r0, r0 + job->rows) with their rep heads
@@ -310,18 +312,24 @@ static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
         15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = 0; t * BK < keys; t++) {
         const uint32_t *kt = (const uint32_t *)(kp + t * BK * dim);
+        float *const sc = w->scores + (t & 1) * padded * BK;
 #ifdef HAS_AMX
+        /* the tile unit computes the next tile's scores (into the other half of scores)
+           while the vector units run this tile's softmax */
         if (job->tiles)
-            for (int64_t m = 0; m < padded; m += 16)
-                scores_tiles((const uint16_t *)(w->q + m * words), dim, kt, w->scores + m * BK);
+            for (int64_t u = t == 0 ? 0 : t + 1; u <= t + 1 && u * BK < keys; u++)
+                for (int64_t m = 0; m < padded; m += 16)
+                    scores_tiles((const uint16_t *)(w->q + m * words), dim,
+                                 (const uint32_t *)(kp + u * BK * dim),
+                                 w->scores + ((u & 1) * padded + m) * BK);
         else
 #endif
         for (int64_t m = 0; m < padded; m += MB)
-            scores_tile(w->q + m * words, words, kt, w->scores + m * BK);
+            scores_tile(w->q + m * words, words, kt, sc + m * BK);
         /* every key of the tile at or before every query's position: nothing to mask */
         const int whole = (t + 1) * BK <= first + 1;
         for (int64_t m = 0; m < count; m++) {  /* scores masked; their scaled maximum */
-            float *row = w->scores + m * BK;
+            float *row = sc + m * BK;
             const __m512 last = _mm512_set1_ps((float)(first + m / rep - t * BK));
             __m512 top = _mm512_set1_ps(-INFINITY);
             for (int g = 0; g < 4; g++) {
@@ -343,7 +351,7 @@ static void item(const Job *job, Scratch *w, int64_t s, int64_t h, int64_t r0) {
             _mm512_mask_storeu_ps(w->peak + m, live, peak);
         }
         for (int64_t m = 0; m < count; m++) {  /* weights, as bf16 key pairs; their sum */
-            const float *row = w->scores + m * BK;
+            const float *row = sc + m * BK;
             const __m512 peak = _mm512_set1_ps(w->peak[m]);
             uint32_t *p = w->p + m * (BK / 2);
             __m512 sum = _mm512_setzero_ps();
@@ -409,7 +417,7 @@ int prefill_attention(const uint16_t *q, int64_t q_row, const int64_t *q_start,
 #endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads; i++) pack(&job, i / heads, i % heads);
-        Scratch w = {malloc(most * BK * sizeof(float)), malloc(most * dim * sizeof(float)),
+        Scratch w = {malloc(2 * most * BK * sizeof(float)), malloc(most * dim * sizeof(float)),
                      malloc(most * sizeof(float)), malloc(most * sizeof(float)),
                      malloc(most * sizeof(float)), malloc(most * sizeof(float)),
                      malloc(most * dim * sizeof(uint16_t)), malloc(most * BK * 2)};
