@@ -469,12 +469,14 @@ class AlignedPolicy(AlignedStrictPolicy):
         after the bound, a backlog's longer leftovers joined a long-running batch one by
         one, each a little longer than its longest, and padded its every seq for the rest
         of its life."""
+        stalled = [s for s in view.candidate_requests
+                   if waited.get(("seq", s.seq_id), 0) > STALL_STEPS]
+        if not stalled:  # the common case: no pass over the running seqs
+            return []
         clock = self.starvation_clock(view.now)
         longest = max((s.length for s in view.running), default=0)
-        stalled = [s for s in view.candidate_requests
-                   if waited.get(("seq", s.seq_id), 0) > STALL_STEPS
-                   and (clock > s.wait_start or s.length <= longest)]
-        return sorted(stalled, key=lambda s: (s.wait_start, s.seq_id))
+        return sorted((s for s in stalled if clock > s.wait_start or s.length <= longest),
+                      key=lambda s: (s.wait_start, s.seq_id))
 
     @staticmethod
     def headroom_kept(batch_waited: int) -> float:
