@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models import cpu_attention, cpu_bf16_attention
+from models import cpu_attention, cpu_bf16_attention, cpu_kv_write
 from models.backends import TORCH_BACKENDS, build_backend
 
 BACKEND_NAMES = TORCH_BACKENDS  # the backends of this module (registered in models.backends)
@@ -122,8 +122,11 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: T
     """Writes the new tokens' K and V (`[num_tokens, num_heads, head_dim]`) of one layer.
 
     The per-layer view of the block-major cache is not contiguous, so rows are addressed in
-    the flat `[num_blocks * num_layers * 2 * block_size, num_heads, head_dim]` view.
+    the flat `[num_blocks * num_layers * 2 * block_size, num_heads, head_dim]` view. On the
+    CPU one pass in C copies the rows (`models.cpu_kv_write`).
     """
+    if k.dtype == kv_cache.dtype and cpu_kv_write.write(kv_cache, layer, k, v, slot_mapping):
+        return
     _, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
     rows = kv_cache.view(-1, num_heads, head_dim)  # [num_rows, num_heads, head_dim]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")  # [num_tokens]

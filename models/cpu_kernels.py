@@ -60,11 +60,27 @@ typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vh __attribute__((vector_size(2 * LANES)));
 
 static inline vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* one widening load and one narrowing store (the generic forms below take four or five
+   instructions each way) */
+static inline vf load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline void narrow_bf16(uint16_t *p, vu u) {  /* the top halves of u's lanes */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)u, 16)));
+}
+#else
 static inline vf load_bf16(const uint16_t *p) {  /* exact: bf16 is float's top half */
     vh h; memcpy(&h, p, sizeof h);
     vu w = __builtin_convertvector(h, vu) << 16;
     vf v; memcpy(&v, &w, sizeof v); return v;
 }
+static inline void narrow_bf16(uint16_t *p, vu u) {  /* the top halves of u's lanes */
+    vh h = __builtin_convertvector(u >> 16, vh); memcpy(p, &h, sizeof h);
+}
+#endif
 static inline float at_bf16(const uint16_t *p, int64_t i) {
     uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, sizeof f); return f;
 }
@@ -78,7 +94,7 @@ static inline vf round_bf16(vf v) {  /* to the nearest even bf16, NaN kept, as t
 }
 static inline void store_bf16(uint16_t *p, vf v) {
     vu u; v = round_bf16(v); memcpy(&u, &v, sizeof u);
-    vh h = __builtin_convertvector(u >> 16, vh); memcpy(p, &h, sizeof h);
+    narrow_bf16(p, u);
 }
 """
 VECTOR_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the dtype code VECTORS' kernels take
