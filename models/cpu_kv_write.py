@@ -5,7 +5,7 @@ first use.
 block-major cache and copies the rows with two `index_copy_`s, after four element-wise
 operators that turn slots into row numbers; on a prompt that is one row of a few hundred
 bytes per token and layer, and torch's per-row indexing and the operators cost several
-times the copy (a 1,024-token prompt of a 30-layer model spent 3-4 % of its step there).
+times the copy (docs/results-cpu.md, "KV writes and bf16 loads").
 `write` makes one pass instead: per token, its block and offset from its slot, then its K
 row and its V row copied whole. Slots are checked first; out of range, nothing is written
 and `write` raises as `index_copy_` would. Tokens are shared out to the OpenMP threads
