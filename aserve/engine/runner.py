@@ -26,9 +26,12 @@ from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import HalfLinear, OPTConfig, OPTForCausalLM, fit_matmuls_to
 from models.sampler import Penalties, PenaltyCounts, SamplingTensors, sample
+from transport.blocks import PAD_BLOCK_ID
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+ROW_GRANULE = 16  # a CPU prompt step's rows are a multiple of this (`_row_padding`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,9 @@ class ModelRunner:
                         f"prepacked {config.dtype}" if prepacked else config.dtype,
                         torch.get_num_threads(), aserve.OPENMP_WAITS)
         self.backend = get_backend(config.attention)
+        # float64 runs on the CPU are the reference: their GEMMs stay over the real rows
+        self.pads_rows = device.type == "cpu" and next(
+            self.model.parameters()).dtype != torch.float64
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:
             max_blocks = -(-self.model_config.max_position_embeddings // self.block_size)
@@ -150,6 +156,8 @@ class ModelRunner:
             input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
         if hidden is None:
             hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
+        if meta.num_seqs > len(items):  # row padding wrote the null block: zeros again
+            kv_cache[PAD_BLOCK_ID].zero_()
         self._prompt_logprobs(items, hidden, meta)
         sample_rows = [i for i, item in enumerate(items) if item.do_sample]
         token_ids: list[int | None] = [None] * len(items)
@@ -209,16 +217,37 @@ class ModelRunner:
         for item in items:
             flat_ids.extend(item.token_ids)
             flat_pos.extend(range(item.start, item.start + len(item.token_ids)))
+        query_lens = [len(item.token_ids) for item in items]
+        seq_lens = [item.start + len(item.token_ids) for item in items]
+        tables = [item.block_table for item in items]
+        pad = self._row_padding(query_lens)
+        if pad:  # a sequence of its own, in the null block, after every real one
+            flat_ids.extend([0] * pad)
+            flat_pos.extend(range(pad))
+            query_lens.append(pad)
+            seq_lens.append(pad)
+            tables.append([PAD_BLOCK_ID] * -(-pad // self.block_size))
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(flat_pos, dtype=torch.long, device=self.device)  # [T]
-        meta = AttentionMetadata.build(
-            query_lens=[len(item.token_ids) for item in items],
-            seq_lens=[item.start + len(item.token_ids) for item in items],
-            block_tables=[item.block_table for item in items],
-            block_size=self.block_size,
-            device=self.device,
-        )
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
+                                       self.device)
         return input_ids, positions, meta
+
+    def _row_padding(self, query_lens: list[int]) -> int:
+        """Tokens to add to a CPU step that carries prompt tokens, so that its row count is
+        a multiple of `ROW_GRANULE`.
+
+        NOTE: oneDNN builds a GEMM primitive for each row count it meets (milliseconds per
+        weight at prompt sizes; docs/results-cpu.md) and keeps a bounded number of them
+        (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`): prompt steps, each of its own length, paid a
+        build at every weight shape. Rounded up, a process meets one row count per
+        `ROW_GRANULE` tokens and builds each once; the rows added (a null sequence in block
+        `PAD_BLOCK_ID`, which nothing samples and `execute_sync` zeroes again) cost less
+        than a build. Decode steps (one token per sequence) keep their rows."""
+        if not self.pads_rows or all(n == 1 for n in query_lens):
+            return 0
+        rows = sum(query_lens)
+        return -rows % ROW_GRANULE if rows > ROW_GRANULE else 0
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
