@@ -152,12 +152,14 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook()
         input_ids, positions, meta = self._prepare(items)
-        hidden = None if self.graphs is None else self.graphs.forward(
-            input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
-        if hidden is None:
-            hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)  # [T, d]
-        if meta.num_seqs > len(items):  # row padding wrote the null block: zeros again
-            kv_cache[PAD_BLOCK_ID].zero_()
+        try:
+            hidden = None if self.graphs is None else self.graphs.forward(
+                input_ids, positions, kv_cache, meta)  # None: not a graph-able decode step
+            if hidden is None:
+                hidden = self.model(input_ids, positions, kv_cache, meta, self.backend)
+        finally:
+            if meta.num_seqs > len(items):  # row padding wrote the null block: zeros again
+                kv_cache[PAD_BLOCK_ID].zero_()
         self._prompt_logprobs(items, hidden, meta)
         sample_rows = [i for i, item in enumerate(items) if item.do_sample]
         token_ids: list[int | None] = [None] * len(items)
