@@ -125,7 +125,7 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: T
     the flat `[num_blocks * num_layers * 2 * block_size, num_heads, head_dim]` view. On the
     CPU one pass in C copies the rows (`models.cpu_kv_write`).
     """
-    if k.dtype == kv_cache.dtype and cpu_kv_write.write(kv_cache, layer, k, v, slot_mapping):
+    if cpu_kv_write.write(kv_cache, layer, k, v, slot_mapping):
         return
     _, num_layers, _, block_size, num_heads, head_dim = kv_cache.shape
     rows = kv_cache.view(-1, num_heads, head_dim)  # [num_rows, num_heads, head_dim]

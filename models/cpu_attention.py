@@ -392,7 +392,7 @@ _KINDS = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1
           (torch.float32, torch.bfloat16): 2}
 
 
-def _rows(t: Tensor) -> Tensor:
+def heads_contiguous(t: Tensor) -> Tensor:
     """`t` (`[num_seqs, heads, dim]`) with contiguous heads; sequences may be strided."""
     return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
@@ -430,10 +430,11 @@ def decode(q: Tensor, kv_cache: Tensor, layer: int, block_tables: Tensor, seq_le
     lib = _library(lanes or lanes_for(head_dim))
     if lib is None or head_dim % (2 * (lanes or LANES)):
         return None
-    q = _rows(q)  # [num_seqs, heads, dim]
+    q = heads_contiguous(q)  # [num_seqs, heads, dim]
     k_new = v_new = None
     if new_kv is not None:
-        k_new, v_new = (_rows(t.to(q.dtype)) for t in new_kv)  # [num_seqs, kv_heads, dim]
+        # [num_seqs, kv_heads, dim] each
+        k_new, v_new = (heads_contiguous(t.to(q.dtype)) for t in new_kv)
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()  # long
     out = torch.empty(q.shape, dtype=q.dtype)  # [num_seqs, heads, dim]
     block_elems = block_size * kv_heads * head_dim  # one K (or V) block of one layer

@@ -12,9 +12,9 @@ and `write` raises as `index_copy_` would. Tokens are shared out to the OpenMP t
 above `cpu_kernels.ONE_THREAD` elements (prompts); decode steps run in the calling thread.
 
 Optional, as the torch path stays the reference: `write` returns False where the kernel
-cannot run (another device, K/V rows not contiguous or not in the cache's dtype, a cache
-that is not contiguous, tensors autograd tracks, no C compiler). Built and cached by
-`models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it).
+cannot run (another device, K/V not in the cache's dtype, a cache that is not contiguous,
+tensors autograd tracks, no C compiler); K/V whose heads are not contiguous are copied
+first. Built and cached by `models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from models import cpu_kernels
+from models.cpu_attention import heads_contiguous
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -60,15 +61,6 @@ def _library() -> ctypes.CDLL | None:
     return cpu_kernels.build_openmp("write_kv", _SOURCE, argtypes)
 
 
-def _row_stride(t: Tensor) -> int | None:
-    """Bytes between the rows of `[n, heads, dim]` `t`, or None if a row is not one
-    contiguous run of heads x dim elements."""
-    if t.dim() != 3 or (t.shape[1] > 1 and t.stride(1) != t.shape[2]) or (
-            t.shape[2] > 1 and t.stride(2) != 1):
-        return None
-    return t.stride(0) * t.element_size()
-
-
 def write(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> bool:
     """`models.attention.write_kv` (same arguments) on the CPU; False where the kernel
     cannot run (module docstring). Raises IndexError, writing nothing, if a slot lies
@@ -82,15 +74,15 @@ def write(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tens
             or slot_mapping.shape != k.shape[:1] or not 0 <= layer < layers
             or any(t.requires_grad for t in (kv_cache, k, v))):
         return False
-    k_stride, v_stride = _row_stride(k), _row_stride(v)
-    if k_stride is None or v_stride is None or (lib := _library()) is None:
+    if (lib := _library()) is None:
         return False
+    k, v = heads_contiguous(k), heads_contiguous(v)  # rows may be strided
     slots = slot_mapping.contiguous()
-    n = slots.shape[0]
-    status = lib.write_kv(kv_cache.data_ptr(), k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-                          slots.data_ptr(), n, heads * dim * kv_cache.element_size(), layer,
-                          layers, block_size, num_blocks * block_size,
-                          cpu_kernels.threads_for(k.numel()))
+    size = kv_cache.element_size()
+    status = lib.write_kv(kv_cache.data_ptr(), k.data_ptr(), k.stride(0) * size, v.data_ptr(),
+                          v.stride(0) * size, slots.data_ptr(), slots.shape[0],
+                          heads * dim * size, layer, layers, block_size,
+                          num_blocks * block_size, cpu_kernels.threads_for(k.numel()))
     if status:
         total = num_blocks * block_size
         bad = slots[(slots < 0) | (slots >= total)][0].item()
