@@ -31,7 +31,7 @@ from scheduler.batching import (
     plan_evictions,
     take_in_order,
 )
-from scheduler.policy import PolicyConfig, register_policy
+from scheduler.policy import PREFILL_LEAD, PolicyConfig, register_policy
 from scheduler.step_time import GrowingStep, growing_step, mixing_pays
 
 CUT_SPAN = 8  # batches' worth of the pool that ``_cheapest_cut`` cuts (decision time)
@@ -211,6 +211,19 @@ class AlignedPolicy(AlignedStrictPolicy):
         """Where a spread of lengths costs (``alignment_pays``): the first batch ``search``
         cuts from a backlog is then its shortest requests, ready after the first prefills."""
         return self.alignment_pays([1, self.config.max_len])
+
+    def holds_prefill(self, num_unstarted: int, num_running: int) -> bool:
+        """Where prefill goes shortest first (``prefills_shortest_first``): while as many
+        prefilled requests wait for their first decode step as the decode instances run,
+        and at least ``PREFILL_LEAD``, the next prompt waits for prefill instead.
+
+        NOTE: the batches go shortest first too, so a backlog prefilled at once waits in
+        the pool: a long prompt with a short output got its first token in the backlog's
+        first seconds and its second once every shorter request had decoded, a wait P99
+        TPOT counts, spread over its few tokens. Paced, that wait comes before its first
+        token, while the pool still holds a batch to cut from and the next one."""
+        return (num_unstarted >= max(PREFILL_LEAD, num_running)
+                and self.prefills_shortest_first())
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:

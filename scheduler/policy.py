@@ -70,6 +70,9 @@ class PolicyConfig(PolicyKnobs, frozen=True, kw_only=True):
 # (``Policy.prefills_shortest_first``): a finite backlog drains shortest first, and under a
 # stream no prompt waits behind shorter ones for more than a few prefills
 PREFILL_PASSES = 4
+# a pacing policy (``Policy.holds_prefill``) keeps at least this many prefilled requests
+# waiting for their first decode step
+PREFILL_LEAD = 16
 
 
 class Policy(ABC):
@@ -103,6 +106,14 @@ class Policy(ABC):
         prompts shortest first (one overtaken by later arrivals in ``PREFILL_PASSES``
         prefills goes first), so that the pool holds a backlog's shortest requests first;
         else in arrival order. Asked before each such prefill."""
+        return False
+
+    def holds_prefill(self, num_unstarted: int, num_running: int) -> bool:
+        """Whether a prefill instance whose device also decodes should start no prefill
+        now, with ``num_unstarted`` requests prefilled and waiting for their first decode
+        step (their second token) and ``num_running`` seqs in the decode instances' running
+        batches; asked again once one of those requests gets its second token. No policy
+        holds prefill by default: a backlog is prefilled as fast as the pool takes it."""
         return False
 
     @abstractmethod

@@ -165,15 +165,16 @@ class BatcherCore(Core):
         """The lengths of the requests on their way to the pool from the prefill instances
         that share a device with a decode instance (`Policy.incoming`); none while one of
         those waits for host-pool room: the pool would not take them before a batch leaves
-        it."""
+        it. A prefill the policy holds back brings none of its waiting prompts before a
+        decode step."""
         lengths: list[int] = []
         for i in self.shared_prefills:
             core = self.wiring.prefills[i].core
             if core.blocked and (self.kv.free_blocks("host")
                                  < self.kv.blocks_for(core.blocked[0].num_tokens)):
                 return []
-            lengths += (seq.num_tokens for seq in (*core.waiting, *core.prefilling,
-                                                   *core.blocked))
+            waiting = () if core.held() else core.waiting
+            lengths += (seq.num_tokens for seq in (*waiting, *core.prefilling, *core.blocked))
         return lengths
 
     def match_order(self) -> list[int]:

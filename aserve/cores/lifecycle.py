@@ -49,6 +49,10 @@ class Lifecycle:
         self.on_finish: Callable[[SeqState], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
         self.retried: set[str] = set()  # seqs whose forward failed once (`retry_once`)
+        # live seqs with their first token and not their second (`Policy.holds_prefill`),
+        # and what a seq leaving that set calls (the wiring's: held prefills look again)
+        self.unstarted: set[str] = set()
+        self.on_started: Callable[[], None] = lambda: None
 
     def _keep(self, trace: list[Any], item: object) -> int:
         return keep_bounded(trace, item, self.trace_limit)
@@ -81,8 +85,11 @@ class Lifecycle:
         seq.append_token(token_id, at, logprob if seq.sampling.logprobs else None)
         if first:
             self.event(seq.seq_id, "first_token", at)
-        elif self.record_tokens:
-            self.event(seq.seq_id, "token", at)
+            self.unstarted.add(seq.seq_id)
+        else:
+            self._started(seq)
+            if self.record_tokens:
+                self.event(seq.seq_id, "token", at)
         lp = (logprob,) if seq.sampling.logprobs and logprob is not None else ()
         if (queue := self.queues.get(seq.seq_id)) is not None:
             queue.put_nowait(StepOutput(seq.seq_id, (token_id,), lp, at))  # type: ignore[arg-type]
@@ -92,6 +99,12 @@ class Lifecycle:
             self.finish(seq, SeqStatus.FINISHED_STOPPED, at=at)
         elif seq.num_output_tokens >= params.max_tokens:
             self.finish(seq, SeqStatus.FINISHED_LENGTH, at=at)
+
+    def _started(self, seq: SeqState) -> None:
+        """`seq` got its second token or ended: it no longer counts as unstarted."""
+        if seq.seq_id in self.unstarted:
+            self.unstarted.remove(seq.seq_id)
+            self.on_started()
 
     def transition(self, seq: SeqState, status: SeqStatus) -> None:
         """Moves `seq` to `status`: the one writer of a request's status (a finished one
@@ -126,6 +139,7 @@ class Lifecycle:
         self.retried.discard(seq.seq_id)
         if seq.is_finished:
             return
+        self._started(seq)
         self.transition(seq, status)
         seq.error = error
         self.num_finished += 1

@@ -14,7 +14,8 @@ from scheduler.policy import PREFILL_PASSES
 # forward pass; each prefilled request's KV then goes to the host pool, in order, while the
 # pool has room (backpressure: no prefill starts while an offload waits for room). In
 # arrival order, or shortest first where the policy asks (`Policy.prefills_shortest_first`)
-# and the device also decodes.
+# and the device also decodes; there the policy may also hold the next prefill back while
+# enough prefilled requests wait for their first decode step (`Policy.holds_prefill`).
 
 
 class PrefillCore(Core):
@@ -66,7 +67,15 @@ class PrefillCore(Core):
             if move is not None:
                 return [move]
             self._left()
-        return self.forward(now) if self.waiting else None
+        return self.forward(now) if self.waiting and not self.held() else None
+
+    def held(self) -> bool:
+        """Whether the policy holds the next prefill back (`Policy.holds_prefill`), where
+        the device also decodes; the wiring wakes this instance when that may change."""
+        if not self.shares_device:
+            return False
+        running = sum(len(d.core.running) for d in self.wiring.decodes)
+        return self.policy.holds_prefill(len(self.life.unstarted), running)
 
     def forward(self, now: float) -> Forward | None:
         """The next packed prefill: waiting seqs up to the token budget whose KV fits."""

@@ -54,6 +54,7 @@ class Wiring:
             self.prefills = [drive(PrefillCore(ctx, i), dev)
                              for i, dev in enumerate(ctx.config.prefill_devices)]
             self.batcher = drive(BatcherCore(ctx), None)
+            ctx.life.on_started = self.started
         core = DecodeCore if pool else ColocatedCore
         self.decodes = [drive(core(ctx, j), dev) for j, dev in enumerate(decode_devices)]
         if self.batcher is not None:
@@ -80,6 +81,13 @@ class Wiring:
         requests when `batch_id` < 0."""
         self.decodes[instance].core.receive(batch_id, seqs)
         self.decodes[instance].wake()
+
+    def started(self) -> None:
+        """A prefilled request got its second token (or ended): a prefill the policy held
+        back (`Policy.holds_prefill`) may go on."""
+        for prefill in self.prefills:
+            if prefill.core.waiting:
+                prefill.wake()
 
     def pool_space(self) -> None:
         """Host-pool blocks were freed: prefill held back by a full pool may go on."""

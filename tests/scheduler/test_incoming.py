@@ -1,18 +1,21 @@
 """`aligned` forms no new batch while requests on their way to the pool on a device that
 also decodes (`Policy.incoming`) could join it, where a spread of lengths costs; such a
 device prefills shortest first, a prompt overtaken by later arrivals for `PREFILL_PASSES`
-prefills first; and the simulated cluster does both only where prefill and decode share
-a device."""
+prefills first, and holds prefill back while enough prefilled requests wait for their first
+decode step (`Policy.holds_prefill`); and the simulated cluster does all three only where
+prefill and decode share a device."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from bench.workloads import Workload, WorkloadRequest, synthetic
 from scheduler import PolicyConfig, SeqView, get_policy
-from scheduler.aligned import CUT_SPAN
-from scheduler.policy import PREFILL_PASSES
-from sim import ClusterConfig, simulate
+from scheduler.aligned import CUT_SPAN, AlignedPolicy
+from scheduler.policy import PREFILL_LEAD, PREFILL_PASSES
+from sim import ClusterConfig, SimResult, simulate
 from tests.cores.test_differential import cost_model
 
 
@@ -74,9 +77,14 @@ def backlog(devices: dict[str, tuple[str, ...]], max_batch_size: int = 32
             min(decodes) < prefills[-1].start_time)
 
 
-def test_a_shared_device_prefills_a_backlog_shortest_first_and_decodes_meanwhile() -> None:
+def test_a_shared_device_prefills_a_backlog_shortest_first_and_decodes_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     arrival, prefilled, overlap = backlog({})  # one "cpu" for both
     assert prefilled == sorted(arrival) and prefilled != arrival
+    assert overlap  # paced: the first PREFILL_LEAD prompts decode before the rest
+    with monkeypatch.context() as m:
+        m.setattr(AlignedPolicy, "holds_prefill", lambda self, unstarted, running: False)
+        _, _, overlap = backlog({})
     assert not overlap  # every pooled request fits one batch: the rest could join it
     _, _, overlap = backlog({}, max_batch_size=8)
     assert overlap  # the 8 shortest decode while the longer prompts are prefilled
@@ -137,3 +145,42 @@ def test_a_host_pool_smaller_than_the_backlog_does_not_leave_aligned_waiting() -
                                    max_prefill_tokens=64, min_requests=4, max_batch_size=32)
     result = simulate(load, "aligned", cluster, cost_model("padded"), max_events=100_000)
     assert result.num_finished == 24
+
+
+def unstarted_at_prefills(result: SimResult) -> list[int]:
+    """At each prefill's start, the requests with a first token and no second (not ended)."""
+    events = sorted(result.events, key=lambda e: e.time)
+    counts = []
+    for it in result.prefill_iterations:
+        seen: dict[str, bool] = {}
+        for e in events:
+            if e.time > it.start_time:
+                break
+            if e.kind == "first_token":
+                seen[e.seq_id] = True
+            elif e.kind in ("token", "finish"):
+                seen.pop(e.seq_id, None)
+        counts.append(len(seen))
+    return counts
+
+
+def test_a_backlog_is_prefilled_paced_to_its_decode_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog on a device that prefills and decodes (padded steps): no prefill starts
+    while as many prefilled requests wait for their second token as run, and at least
+    `PREFILL_LEAD`; so those requests no longer wait through the backlog between their first
+    and second tokens, and P99 TPOT falls. Without pacing, the whole backlog waits so."""
+    load = synthetic(120, short_ratio=0.8, short_range=(16, 64), long_range=(300, 600),
+                     output_range=(8, 24), seed=3)
+    cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
+                                   num_staging_blocks=400, num_host_blocks=4000,
+                                   max_prefill_tokens=256, min_requests=4, max_batch_size=24)
+    paced = simulate(load, "aligned", cluster, cost_model("padded"))
+    with monkeypatch.context() as m:
+        m.setattr(AlignedPolicy, "holds_prefill", lambda self, unstarted, running: False)
+        unpaced = simulate(load, "aligned", cluster, cost_model("padded"))
+    assert paced.num_finished == unpaced.num_finished == 120
+    widest = max(len(it.lengths) for it in paced.iterations)
+    assert max(unstarted_at_prefills(paced)) < max(PREFILL_LEAD, widest)
+    assert max(unstarted_at_prefills(unpaced)) > max(PREFILL_LEAD, widest) + 16
+    assert paced.summary().tpot_p99 < 0.8 * unpaced.summary().tpot_p99
