@@ -7,6 +7,7 @@ Parameter names mirror HF's `OPTForCausalLM` except the fused `qkv_proj` (see lo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -126,6 +127,11 @@ def _layer_norm(cfg: OPTConfig, width: int) -> nn.LayerNorm:
 
 
 PACK_BATCH = 64  # rows oneDNN packs a weight for (decode batches); any row count works
+# the other layout a half weight that also serves prompts may be packed in (`half_layout`),
+# the row counts the two are timed at (a decode batch's, a prompt's) and the trials
+PROMPT_PACK_BATCH = 1
+LAYOUT_ROWS = (PACK_BATCH, 1024)
+LAYOUT_TRIALS = 3
 PACK_MIN_WEIGHTS = 1 << 18  # smaller weights (opt-tiny) run faster unpacked (per-call cost)
 KERNELS = ("gemm", "onednn", "torch")  # Float32Linear's GEMMs, in order of preference
 WIDE_ROWS = 16  # products of fewer rows keep the C GEMM (oneDNN's wake-ups cost more there)
@@ -263,14 +269,50 @@ class Float32Linear(nn.Module):
         return out if residual is None else out.add_(residual)
 
 
+def _packed_product(x: Tensor, packed: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # type: ignore[no-any-return]
+
+
+# (weight shape, dtype) -> the batch oneDNN packs such weights for (`half_layout`)
+_half_layouts: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+
+
+def half_layout(weight: Tensor) -> int:
+    """The batch size oneDNN packs ``weight`` (half, [out, in]) for, `PACK_BATCH` or
+    `PROMPT_PACK_BATCH`: the layout whose products at the `LAYOUT_ROWS` row counts take
+    the least time relative to the faster layout at each (ties keep `PACK_BATCH`), timed
+    once per shape and dtype in this process.
+
+    NOTE: oneDNN picks a packed layout (and the kernels that read it) from the batch size
+    it is told, and neither layout is the faster one at every shape and row count; which
+    one wins where depends on the CPU, the thread count and oneDNN's version, so it is
+    timed here (docs/results-cpu.md has the measurements that led to it)."""
+    key = (tuple(weight.shape), weight.dtype)
+    if key not in _half_layouts:
+        packs = {str(b): torch.ops.mkldnn._reorder_linear_weight(weight, b)
+                 for b in (PACK_BATCH, PROMPT_PACK_BATCH)}
+        cost = dict.fromkeys(packs, 0.0)
+        for rows in LAYOUT_ROWS:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            best, _ = measure.best_seconds({b: partial(_packed_product, x, p)
+                                            for b, p in packs.items()}, LAYOUT_TRIALS)
+            for b in packs:
+                cost[b] += best[b] / min(best.values())
+        _half_layouts[key] = int(min(packs, key=lambda b: (cost[b], b != str(PACK_BATCH))))
+    return _half_layouts[key]
+
+
 class HalfLinear(nn.Module):
     """An `nn.Linear` of a bf16/fp16 model on a CPU with a native half GEMM, from a weight
     oneDNN prepacks once: the product `F.linear` computes there (oneDNN either way) without
     reordering the weight on every call, with the residual add fused into the GEMM's
-    output. Weights under `PACK_MIN_WEIGHTS` elements take `F.linear`."""
+    output. Weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. A layer that also
+    serves prompts (`for_prompts`: not an LM head, which sees sampled rows only) is packed
+    in the layout `half_layout` measured faster for its shape."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, for_prompts: bool = True) -> None:
         super().__init__()
+        self.for_prompts = for_prompts
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.is_packed = weight.numel() >= PACK_MIN_WEIGHTS
@@ -293,7 +335,7 @@ class HalfLinear(nn.Module):
             out = out.relu_() if relu else out
             return out if residual is None else out.add_(residual)
         if self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH)
+            self.packed = self._pack(self.weight)
         packed, bias, shape = self.packed, self.bias, self.shape
         if residual is not None and residual.dtype == x.dtype:
             return row_blocks.by_rows(
@@ -304,6 +346,10 @@ class HalfLinear(nn.Module):
             x, packed, bias, act, [], ""), x)
         return out if residual is None else out.add_(residual)
 
+    def _pack(self, weight: Tensor) -> Tensor:
+        batch = half_layout(weight) if self.for_prompts else PACK_BATCH
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch)  # type: ignore[no-any-return]
+
     def silu_mul(self, x: Tensor) -> Tensor:
         """silu(gate) * up of a fused gate/up layer (gate rows, then up rows): two GEMMs
         over the halves' own packed weights, SiLU and the product fused into their outputs
@@ -311,7 +357,7 @@ class HalfLinear(nn.Module):
         if self.halves is None:
             rows = self.weight.shape[0] // 2
             self.halves = tuple(  # type: ignore[assignment]
-                (torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH),
+                (self._pack(w.contiguous()),
                  None if self.bias is None else self.bias[i * rows:(i + 1) * rows])
                 for i, w in enumerate(self.weight.split(rows)))
         assert self.halves is not None
@@ -390,6 +436,8 @@ def pack_linears(model: nn.Module, tied_weight: Tensor, kind: type[nn.Module]) -
     if getattr(model, "lm_head", None) is None:
         # NOTE: not a submodule: the tied weight must not appear twice in parameters().
         object.__setattr__(model, "lm_head", kind(tied_weight, None))
+    if isinstance(head := getattr(model, "lm_head", None), HalfLinear):
+        head.for_prompts = False  # it computes the logits of sampled rows only
 
 
 class OPTAttention(nn.Module):

@@ -99,3 +99,42 @@ def test_prompt_sized_products_match_in_row_blocks_or_whole(
         gate, up = want.chunk(2, dim=-1)
         assert rel_err(layer.silu_mul(x), torch.nn.functional.silu(gate) * up) < 2e-2
     assert set(row_blocks.plans().values()) == {split} and len(row_blocks.plans()) == 4
+
+
+@pytest.mark.parametrize("layout", [models.opt.PACK_BATCH, models.opt.PROMPT_PACK_BATCH])
+def test_either_packed_layout_computes_what_f_linear_does(layout: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever layout `half_layout` picks, a product of decode and of prompt rows (the
+    residual add and the fused SiLU product included) is `F.linear`'s."""
+    monkeypatch.setattr(models.opt, "half_layout", lambda weight: layout)
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(256, 1024, dtype=torch.bfloat16)
+    layer = HalfLinear.of(fc)
+    for rows in (3, 64, 300):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        residual = torch.randn(rows, 1024, dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), fc.weight.float(), fc.bias.float())
+        assert rel_err(layer(x), want) < 1e-2
+        assert rel_err(layer(x, residual=residual), want + residual.float()) < 1e-2
+        gate, up = want.chunk(2, dim=-1)
+        assert rel_err(models.opt.silu_mul(layer, x), torch.nn.functional.silu(gate) * up) < 2e-2
+
+
+def test_the_layout_is_timed_once_per_shape_and_lm_heads_keep_the_decode_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    timings: list[object] = []
+    best_seconds = models.opt.measure.best_seconds
+    monkeypatch.setattr(models.opt.measure, "best_seconds",
+                        lambda ways, trials: timings.append(ways) or best_seconds(ways, trials))
+    monkeypatch.setattr(models.opt, "_half_layouts", {})
+    weight = torch.randn(512, 384, dtype=torch.bfloat16)
+    first = models.opt.half_layout(weight)
+    assert first in (models.opt.PACK_BATCH, models.opt.PROMPT_PACK_BATCH)
+    assert len(timings) == len(models.opt.LAYOUT_ROWS)
+    assert models.opt.half_layout(weight.clone()) == first  # same shape: no new timing
+    assert len(timings) == len(models.opt.LAYOUT_ROWS)
+    model = build("llama", 0)
+    monkeypatch.setattr(models.opt, "PACK_MIN_WEIGHTS", 0)
+    fit_matmuls_to(model, torch.device("cpu"))
+    assert isinstance(model.lm_head, HalfLinear) and not model.lm_head.for_prompts
+    assert all(m.for_prompts for m in model.modules() if isinstance(m, HalfLinear))
