@@ -138,3 +138,16 @@ def test_the_layout_is_timed_once_per_shape_and_lm_heads_keep_the_decode_one(
     fit_matmuls_to(model, torch.device("cpu"))
     assert isinstance(model.lm_head, HalfLinear) and not model.lm_head.for_prompts
     assert all(m.for_prompts for m in model.modules() if isinstance(m, HalfLinear))
+
+
+def test_timing_a_layout_leaves_the_global_random_state_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded runs sample the same tokens whether or not their first forward timed a
+    layout."""
+    monkeypatch.setattr(models.opt, "_half_layouts", {})
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    models.opt.half_layout(torch.randn(256, 128, generator=torch.Generator().manual_seed(1)
+                                       ).to(torch.bfloat16))
+    assert torch.equal(torch.rand(4), want)
