@@ -87,28 +87,9 @@ static inline __m512 exp16(__m512 x) {
 }
 """
 
-_SOURCE = HEADER + r"""
-
-enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
-
-/* exp of 16 floats <= 0 for weights that are rounded to bf16: 2^(x log2 e) as a degree-4
-   polynomial of the fraction (relative error about 5e-5, far below bf16's 4e-3) scaled by
-   the integer part; inputs below -87 (masked scores: -inf) give 0, not a denormal (whose
-   arithmetic is slow) */
-static inline __m512 exp16_weights(__m512 x) {
-    const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
-                                   _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.6181291e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(some, p, n);
-}
-
+# C shared with the other kernels on AMX tiles (`models.cpu_amx_gemm`): after HEADER, it
+# defines HAS_AMX where the compiler targets AMX-BF16
+AMX_HEADER = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -138,7 +119,32 @@ static void amx_configure(int n, const uint16_t *colsb) {
     for (int t = 0; t < n; t++) cfg.rows[t] = 16, cfg.colsb[t] = colsb[t];
     _tile_loadconfig(&cfg);
 }
+#endif
+"""
 
+_SOURCE = HEADER + AMX_HEADER + r"""
+
+enum { BK = 64, MB = 6 };  /* keys per tile, queries per pass */
+
+/* exp of 16 floats <= 0 for weights that are rounded to bf16: 2^(x log2 e) as a degree-4
+   polynomial of the fraction (relative error about 5e-5, far below bf16's 4e-3) scaled by
+   the integer part; inputs below -87 (masked scores: -inf) give 0, not a denormal (whose
+   arithmetic is slow) */
+static inline __m512 exp16_weights(__m512 x) {
+    const __mmask16 some = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(some, p, n);
+}
+
+#ifdef HAS_AMX
 /* scores[m][0, BK) = q[m] . K[tile keys] for 16 queries (dim bf16 each, contiguous) on the
    tiles: the packed K's groups of 16 keys are tile B as they lie (dimension pairs x keys) */
 static void scores_tiles(const uint16_t *q, int64_t dim, const uint32_t *kt, float *scores) {

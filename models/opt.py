@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_gemm, cpu_norm, measure, row_blocks
+from models import cpu_amx_gemm, cpu_gemm, cpu_norm, measure, row_blocks
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -311,7 +311,10 @@ class HalfLinear(nn.Module):
     reordering the weight on every call, with the residual add fused into the GEMM's
     output. Weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. A layer that also
     serves prompts (`for_prompts`: not an LM head, which sees sampled rows only) is packed
-    in the layout `half_layout` measured faster for its shape."""
+    in the layout `half_layout` measured faster for its shape. On a CPU with AMX, products
+    of up to `cpu_amx_gemm.MAX_ROWS` rows (decode steps) take that module's kernel, from a
+    copy of the weight packed as its tiles, with the same post-ops; each copy is made on
+    the first product that needs it."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, for_prompts: bool = True) -> None:
         super().__init__()
@@ -323,6 +326,9 @@ class HalfLinear(nn.Module):
         # NOTE: packed on the first forward, in the runner's thread (as Float32Linear).
         self.packed: Tensor | None = None
         self.halves: tuple[tuple[Tensor, Tensor | None], ...] | None = None  # `silu_mul`'s
+        self.tiles: Tensor | None = None  # `cpu_amx_gemm.pack(weight)`, where it is used
+        self.has_tiles = (self.is_packed and cpu_amx_gemm.fits(weight)
+                          and cpu_amx_gemm.is_available())
 
     @classmethod
     def of(cls, linear: nn.Linear) -> HalfLinear:
@@ -337,10 +343,17 @@ class HalfLinear(nn.Module):
             out = F.linear(x, self.weight, self.bias)
             out = out.relu_() if relu else out
             return out if residual is None else out.add_(residual)
+        fused_add = residual is not None and residual.dtype == x.dtype
+        if self.has_tiles and x.shape[0] <= cpu_amx_gemm.MAX_ROWS:
+            tiled = cpu_amx_gemm.linear(x, self._tiles(), self.bias,
+                                        "add" if fused_add else "relu" if relu else "none",
+                                        residual if fused_add else None)
+            if tiled is not None:
+                return tiled if residual is None or fused_add else tiled.add_(residual)
         if self.packed is None:
             self.packed = self._pack(self.weight)
         packed, bias, shape = self.packed, self.bias, self.shape
-        if residual is not None and residual.dtype == x.dtype:
+        if residual is not None and fused_add:
             return row_blocks.by_rows(
                 (shape, "add"), lambda x, r: torch.ops.mkldnn._linear_pointwise.binary(
                     x, r, packed, bias, "add"), x, residual)
@@ -349,6 +362,11 @@ class HalfLinear(nn.Module):
             x, packed, bias, act, [], ""), x)
         return out if residual is None else out.add_(residual)
 
+    def _tiles(self) -> Tensor:
+        if self.tiles is None:
+            self.tiles = cpu_amx_gemm.pack(self.weight.detach())
+        return self.tiles
+
     def _pack(self, weight: Tensor) -> Tensor:
         batch = half_layout(weight) if self.for_prompts else PACK_BATCH
         return torch.ops.mkldnn._reorder_linear_weight(weight, batch)  # type: ignore[no-any-return]
@@ -356,7 +374,12 @@ class HalfLinear(nn.Module):
     def silu_mul(self, x: Tensor) -> Tensor:
         """silu(gate) * up of a fused gate/up layer (gate rows, then up rows): two GEMMs
         over the halves' own packed weights, SiLU and the product fused into their outputs
-        (oneDNN's swish and binary-mul post-ops), so no pass over the gate/up output."""
+        (oneDNN's swish and binary-mul post-ops), so no pass over the gate/up output. Up to
+        `cpu_amx_gemm.MAX_ROWS` rows on AMX: one pass of that kernel over both halves."""
+        if self.has_tiles and x.shape[0] <= cpu_amx_gemm.MAX_ROWS:
+            out = cpu_amx_gemm.linear(x, self._tiles(), self.bias, "silu_mul")
+            if out is not None:
+                return out
         if self.halves is None:
             rows = self.weight.shape[0] // 2
             self.halves = tuple(  # type: ignore[assignment]

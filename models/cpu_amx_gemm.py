@@ -1,0 +1,208 @@
+"""bf16 linear layers on AMX tiles for the row counts of decode steps, in C.
+
+A decode step multiplies a few dozen rows by every weight of the model, so its GEMMs are
+bound by how fast the weights stream from memory, not by the tile units' rate. oneDNN's
+bf16 GEMM, blocked for any shape, leaves part of that stream on the table at these rows
+(docs/results-cpu.md). This kernel is built for them: each weight is packed once into the
+layout of the tile product's second operand, 16 output features x 32 inputs per 1 KiB tile,
+the tiles of 16 features in a row, so that every thread reads its share of the weight as
+one forward stream. A thread takes a block of 16 features at a time and runs up to 64 rows
+against it in four accumulator tiles (the rows, as they lie in the input, are the first
+operand), then adds the bias, applies the ReLU, the residual or SiLU(gate) x up in float32
+and rounds each output to bf16 once, as oneDNN's post-ops do. Rows beyond 64 take the same
+block again from cache.
+
+`linear` returns None where it cannot run (no AMX, another dtype, a shape that is not whole
+tiles, more than `MAX_ROWS` rows, no C compiler): the caller keeps oneDNN. Built and cached
+by `models.cpu_kernels` (ASERVE_CPU_KERNELS=0 disables it, ASERVE_AMX_GEMM=0 this kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from models import cpu_isa, cpu_kernels
+from models.cpu_bf16_attention import AMX_HEADER, HEADER
+
+# Most rows a product takes here: decode steps. Prompts go to oneDNN, whose blocking for
+# many rows is faster from about 200 rows on (`python -m bench.profile_step` shows both).
+MAX_ROWS = 128
+TILE_ROWS, TILE_INPUTS = 16, 32  # a weight tile: 16 output features x 32 inputs (16 pairs)
+ENABLED = os.environ.get("ASERVE_AMX_GEMM", "1") != "0"
+OPS = {"none": 0, "relu": 1, "add": 2, "silu_mul": 3}  # what follows the product
+
+_SOURCE = HEADER + AMX_HEADER + r"""
+#include <stdbool.h>
+
+enum { OP_NONE, OP_RELU, OP_ADD, OP_SILU_MUL };
+
+static inline __m512 widen(const uint16_t *p) {  /* 16 bf16 -> 16 floats */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+#ifdef HAS_AMX
+/* c[0, 16 g) x 16 = rows a[t] (16 each, g tiles, `lda` bf16 apart) x the packed tiles b
+   (k / 32 of them, one block of 16 features) */
+static inline void block_product(const uint16_t *const a[4], int g, int64_t lda,
+                                 const uint16_t *b, int64_t steps, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t stride = lda * 2;
+    for (int64_t s = 0; s < steps; s++) {
+        /* the stream runs ahead of the products: two lines of the tile 8 steps on */
+        _mm_prefetch((const char *)(b + (s + 8) * 512), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (s + 8) * 512 + 256), _MM_HINT_T0);
+        _tile_loadd(5, b + s * 512, 64);
+        _tile_loadd(4, a[0] + s * 32, stride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (g > 1) {
+            _tile_loadd(6, a[1] + s * 32, stride);
+            _tile_dpbf16ps(1, 6, 5);
+        }
+        if (g > 2) {
+            _tile_loadd(7, a[2] + s * 32, stride);
+            _tile_dpbf16ps(2, 7, 5);
+        }
+        if (g > 3) {
+            _tile_loadd(4, a[3] + s * 32, stride);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c, 64);
+    if (g > 1) _tile_stored(1, c + 256, 64);
+    if (g > 2) _tile_stored(2, c + 512, 64);
+    if (g > 3) _tile_stored(3, c + 768, 64);
+}
+#endif
+
+/* out[m][n] = op(x[m] . w[n] + bias[n]) in bf16 for m rows of x (k bf16 each), w packed by
+   `models.cpu_amx_gemm.pack` ([n / 16][k / 32][16 input pairs][16 features][2]). op: none,
+   ReLU, + residual[m][n], or silu(gate) * up, where w holds 2 n features (gate, then up) and
+   bias 2 n. Returns 1 where the tiles cannot be used (the caller computes it elsewhere). */
+int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+               const uint16_t *bias, const uint16_t *residual, int op, uint16_t *out,
+               int threads) {
+#ifdef HAS_AMX
+    if (!amx_allowed() || k % 32 || n % 16) return 1;
+    const int64_t blocks = n / 16, steps = k / 32, full = m / 16 * 16;
+    /* the rows past the last whole tile, zero-padded to one: read by every thread */
+    uint16_t *tail = NULL;
+    if (full < m) {
+        tail = calloc(16 * k, sizeof(uint16_t));
+        if (tail == NULL) return 1;
+        memcpy(tail, x + full * k, (size_t)(m - full) * k * sizeof(uint16_t));
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        amx_configure(8, (const uint16_t[8]){64, 64, 64, 64, 64, 64, 64, 64});
+        float c[64 * 16] __attribute__((aligned(64)));
+        float up[64 * 16] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const uint16_t *b = w + nb * steps * 512;
+            const __m512 bias_v = bias ? widen(bias + nb * 16) : _mm512_setzero_ps();
+            const __m512 up_bias = bias && op == OP_SILU_MUL ? widen(bias + n + nb * 16)
+                                                            : _mm512_setzero_ps();
+            for (int64_t m0 = 0; m0 < m; m0 += 64) {
+                const int64_t rows = m - m0 < 64 ? m - m0 : 64;
+                const int g = (int)((rows + 15) / 16);
+                const uint16_t *a[4];
+                for (int t = 0; t < g; t++)
+                    a[t] = m0 + 16 * t < full ? x + (m0 + 16 * t) * k : tail;
+                block_product(a, g, k, b, steps, c);
+                if (op == OP_SILU_MUL)
+                    block_product(a, g, k, b + blocks * steps * 512, steps, up);
+                for (int64_t r = 0; r < rows; r++) {
+                    __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bias_v);
+                    uint16_t *o = out + (m0 + r) * n + nb * 16;
+                    if (op == OP_RELU) {
+                        v = _mm512_max_ps(v, _mm512_setzero_ps());
+                    } else if (op == OP_ADD) {
+                        v = _mm512_add_ps(v, widen(residual + (m0 + r) * n + nb * 16));
+                    } else if (op == OP_SILU_MUL) {
+                        /* silu(gate), rounded to bf16 as a GEMM's output, times up */
+                        const __m512 one = _mm512_set1_ps(1.0f);
+                        __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, exp16(
+                            _mm512_sub_ps(_mm512_setzero_ps(), v))));
+                        s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
+                        v = _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(up + r * 16), up_bias), s);
+                    }
+                    _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(v));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+#else
+    (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)residual, (void)op;
+    (void)out, (void)threads;
+    return 1;
+#endif
+}
+"""
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    return cpu_kernels.build_openmp(
+        "amx_linear", _SOURCE, [ptr, i64, i64, ptr, i64, ptr, ptr, i32, ptr, i32])
+
+
+def is_available() -> bool:
+    """Whether this CPU has AMX and the kernel is built (it may still decline a shape)."""
+    return ENABLED and cpu_isa.detect().level == "AMX" and _library() is not None
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether `weight` ([out, in]) can be packed: bf16, whole tiles."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % TILE_ROWS == 0 and weight.shape[1] % TILE_INPUTS == 0)
+
+
+def pack(weight: Tensor) -> Tensor:
+    """`weight` ([out, in], bf16, `fits`) as the tiles `linear` reads: per block of 16
+    output features, per 32 inputs, the 16 input pairs x 16 features x 2 of a tile."""
+    out, inputs = weight.shape
+    tiles = weight.reshape(out // TILE_ROWS, TILE_ROWS, inputs // TILE_INPUTS,
+                           TILE_INPUTS // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, op: str = "none",
+           residual: Tensor | None = None) -> Tensor | None:
+    """`op(x @ weight.T + bias)` in bf16 for `packed` = `pack(weight)`: op "none", "relu",
+    "add" (+ `residual`, [rows, out]) or "silu_mul" (weight and bias hold gate, then up:
+    silu(gate) * up). None where the kernel declines (see the module docstring)."""
+    rows = x.shape[0]
+    if rows > MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16 or x.dim() != 2:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    blocks, steps = packed.shape[0], packed.shape[1]
+    inputs, features = steps * TILE_INPUTS, blocks * TILE_ROWS
+    if x.shape[1] != inputs:
+        raise ValueError(f"input has {x.shape[1]} features, the weight takes {inputs}")
+    if op == "silu_mul":
+        features //= 2
+    x = x.contiguous()
+    out = torch.empty(rows, features, dtype=torch.bfloat16)
+    if residual is not None:
+        residual = residual.contiguous()
+    failed = lib.amx_linear(
+        x.data_ptr(), rows, inputs, packed.data_ptr(), features,
+        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+        OPS[op], out.data_ptr(), torch.get_num_threads())
+    return None if failed else out
