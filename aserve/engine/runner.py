@@ -121,10 +121,11 @@ class ModelRunner:
         # BF16 or AMX runs several times slower than float32 (docs/results.md).
         packed = fit_matmuls_to(self.model, device)
         if device.type == "cpu":
-            prepacked = any(isinstance(m, HalfLinear) for m in self.model.modules())
+            halves = [m for m in self.model.modules() if isinstance(m, HalfLinear)]
+            tiles = " (decode rows on AMX tiles)" if any(m.has_tiles for m in halves) else ""
             logger.info("CPU: %s; %s model: linear layers in %s; %d threads, idle ones: %s",
                         cpu_isa.describe(), config.dtype, "prepacked float32" if packed else
-                        f"prepacked {config.dtype}" if prepacked else config.dtype,
+                        f"prepacked {config.dtype}{tiles}" if halves else config.dtype,
                         torch.get_num_threads(), aserve.OPENMP_WAITS)
         self.backend = get_backend(config.attention)
         # float64 runs on the CPU are the reference: their GEMMs stay over the real rows
