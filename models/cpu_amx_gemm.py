@@ -6,11 +6,12 @@ bf16 GEMM, blocked for any shape, leaves part of that stream on the table at the
 (docs/results-cpu.md). This kernel is built for them: each weight is packed once into the
 layout of the tile product's second operand, 16 output features x 32 inputs per 1 KiB tile,
 the tiles of 16 features in a row, so that every thread reads its share of the weight as
-one forward stream. A thread takes a block of 16 features at a time and runs up to 64 rows
-against it in four accumulator tiles (the rows, as they lie in the input, are the first
-operand), then adds the bias, applies the ReLU, the residual or SiLU(gate) x up in float32
-and rounds each output to bf16 once, as oneDNN's post-ops do. Rows beyond 64 take the same
-block again from cache.
+one forward stream. A thread takes two blocks of 16 features at a time (for SiLU(gate) x
+up, a gate block and its up block) and runs 32 rows against them in four accumulator tiles,
+so that each tile of rows (the first operand, loaded as the rows lie in the input) and each
+weight tile serves two products; more rows take the same blocks again, from cache. Then it
+adds the bias, applies the ReLU, the residual or SiLU(gate) x up in float32 and rounds each
+output to bf16 once, as oneDNN's post-ops do.
 
 `linear` returns None where it cannot run (no AMX, another dtype, a shape that is not whole
 tiles, more than `MAX_ROWS` rows, no C compiler): the caller keeps oneDNN. Built and cached
@@ -47,39 +48,53 @@ static inline __m512 widen(const uint16_t *p) {  /* 16 bf16 -> 16 floats */
 }
 
 #ifdef HAS_AMX
-/* c[0, 16 g) x 16 = rows a[t] (16 each, g tiles, `lda` bf16 apart) x the packed tiles b
-   (k / 32 of them, one block of 16 features) */
-static inline void block_product(const uint16_t *const a[4], int g, int64_t lda,
-                                 const uint16_t *b, int64_t steps, float *c) {
+/* c[t][j] (16 x 16 floats each, at c + (2 t + j) 256) = rows a[t] (16 each, t < g <= 2,
+   `lda` bf16 apart) x the packed tiles b[j] (k / 32 of them, one block of 16 features
+   each): each row tile and each block's tile is loaded once per 32 inputs for two
+   products */
+static inline void pair_product(const uint16_t *const a[2], int g, int64_t lda,
+                                const uint16_t *const b[2], int64_t steps, float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const int64_t stride = lda * 2;
     for (int64_t s = 0; s < steps; s++) {
-        /* the stream runs ahead of the products: two lines of the tile 8 steps on */
-        _mm_prefetch((const char *)(b + (s + 8) * 512), _MM_HINT_T0);
-        _mm_prefetch((const char *)(b + (s + 8) * 512 + 256), _MM_HINT_T0);
-        _tile_loadd(5, b + s * 512, 64);
+        /* the streams run ahead of the products: a line of each tile 8 steps on */
+        _mm_prefetch((const char *)(b[0] + (s + 8) * 512), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b[1] + (s + 8) * 512), _MM_HINT_T0);
+        _tile_loadd(6, b[0] + s * 512, 64);
+        _tile_loadd(7, b[1] + s * 512, 64);
         _tile_loadd(4, a[0] + s * 32, stride);
-        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
         if (g > 1) {
-            _tile_loadd(6, a[1] + s * 32, stride);
-            _tile_dpbf16ps(1, 6, 5);
-        }
-        if (g > 2) {
-            _tile_loadd(7, a[2] + s * 32, stride);
-            _tile_dpbf16ps(2, 7, 5);
-        }
-        if (g > 3) {
-            _tile_loadd(4, a[3] + s * 32, stride);
-            _tile_dpbf16ps(3, 4, 5);
+            _tile_loadd(5, a[1] + s * 32, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
         }
     }
     _tile_stored(0, c, 64);
-    if (g > 1) _tile_stored(1, c + 256, 64);
-    if (g > 2) _tile_stored(2, c + 512, 64);
-    if (g > 3) _tile_stored(3, c + 768, 64);
+    _tile_stored(1, c + 256, 64);
+    if (g > 1) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
+/* out[r][16 j, 16 j + 16) of `rows` rows from the products c (as `pair_product` leaves
+   them), `bias` the block's 16 biases: op(c + bias) rounded to bf16 once */
+static inline void epilogue(const float *c, int j, int64_t rows, __m512 bias, int op,
+                            const uint16_t *residual, uint16_t *out, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(c + ((r / 16) * 2 + j) * 256 + r % 16 * 16),
+                                 bias);
+        if (op == OP_RELU)
+            v = _mm512_max_ps(v, _mm512_setzero_ps());
+        else if (op == OP_ADD)
+            v = _mm512_add_ps(v, widen(residual + r * n));
+        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
 }
 #endif
 
@@ -93,6 +108,9 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64
 #ifdef HAS_AMX
     if (!amx_allowed() || k % 32 || n % 16) return 1;
     const int64_t blocks = n / 16, steps = k / 32, full = m / 16 * 16;
+    /* work items: pairs of blocks, (2 i, 2 i + 1) or, for silu_mul, (gate i, up i) */
+    const bool gated = op == OP_SILU_MUL;
+    const int64_t pairs = gated ? blocks : (blocks + 1) / 2;
     /* the rows past the last whole tile, zero-padded to one: read by every thread */
     uint16_t *tail = NULL;
     if (full < m) {
@@ -104,38 +122,40 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64
     {
         amx_configure(8, (const uint16_t[8]){64, 64, 64, 64, 64, 64, 64, 64});
         float c[64 * 16] __attribute__((aligned(64)));
-        float up[64 * 16] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint16_t *b = w + nb * steps * 512;
-            const __m512 bias_v = bias ? widen(bias + nb * 16) : _mm512_setzero_ps();
-            const __m512 up_bias = bias && op == OP_SILU_MUL ? widen(bias + n + nb * 16)
-                                                            : _mm512_setzero_ps();
-            for (int64_t m0 = 0; m0 < m; m0 += 64) {
-                const int64_t rows = m - m0 < 64 ? m - m0 : 64;
-                const int g = (int)((rows + 15) / 16);
-                const uint16_t *a[4];
-                for (int t = 0; t < g; t++)
+        for (int64_t p = 0; p < pairs; p++) {
+            /* an odd last block pairs with itself; its second product is not written */
+            const int64_t nb[2] = {gated ? p : 2 * p,
+                                   gated ? blocks + p : (2 * p + 1 < blocks ? 2 * p + 1 : 2 * p)};
+            const uint16_t *b[2] = {w + nb[0] * steps * 512, w + nb[1] * steps * 512};
+            const __m512 zero = _mm512_setzero_ps();
+            const __m512 bias_v[2] = {bias ? widen(bias + nb[0] * 16) : zero,
+                                      bias ? widen(bias + nb[1] * 16) : zero};
+            for (int64_t m0 = 0; m0 < m; m0 += 32) {
+                const int64_t rows = m - m0 < 32 ? m - m0 : 32;
+                const int g = rows > 16 ? 2 : 1;
+                const uint16_t *a[2];
+                for (int t = 0; t < 2; t++)
                     a[t] = m0 + 16 * t < full ? x + (m0 + 16 * t) * k : tail;
-                block_product(a, g, k, b, steps, c);
-                if (op == OP_SILU_MUL)
-                    block_product(a, g, k, b + blocks * steps * 512, steps, up);
+                pair_product(a, g, k, b, steps, c);
+                if (!gated) {
+                    for (int j = 0; j < (nb[1] != nb[0] ? 2 : 1); j++)
+                        epilogue(c, j, rows, bias_v[j], op,
+                                 residual ? residual + m0 * n + nb[j] * 16 : NULL,
+                                 out + m0 * n + nb[j] * 16, n);
+                    continue;
+                }
                 for (int64_t r = 0; r < rows; r++) {
-                    __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bias_v);
-                    uint16_t *o = out + (m0 + r) * n + nb * 16;
-                    if (op == OP_RELU) {
-                        v = _mm512_max_ps(v, _mm512_setzero_ps());
-                    } else if (op == OP_ADD) {
-                        v = _mm512_add_ps(v, widen(residual + (m0 + r) * n + nb * 16));
-                    } else if (op == OP_SILU_MUL) {
-                        /* silu(gate), rounded to bf16 as a GEMM's output, times up */
-                        const __m512 one = _mm512_set1_ps(1.0f);
-                        __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, exp16(
-                            _mm512_sub_ps(_mm512_setzero_ps(), v))));
-                        s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
-                        v = _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(up + r * 16), up_bias), s);
-                    }
-                    _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(v));
+                    /* silu(gate), rounded to bf16 as a GEMM's output, times up */
+                    const float *row = c + (r / 16) * 512 + r % 16 * 16;
+                    const __m512 gate = _mm512_add_ps(_mm512_load_ps(row), bias_v[0]);
+                    __m512 s = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(
+                        _mm512_sub_ps(zero, gate))));
+                    s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
+                    const __m512 v = _mm512_mul_ps(
+                        _mm512_add_ps(_mm512_load_ps(row + 256), bias_v[1]), s);
+                    _mm256_storeu_si256((__m256i *)(out + (m0 + r) * n + p * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(v));
                 }
             }
         }
