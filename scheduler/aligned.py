@@ -417,7 +417,8 @@ class AlignedPolicy(AlignedStrictPolicy):
     def _plan_by_output_left(view: BoundaryView) -> BoundaryPlan:
         """The boundary where grouping cannot pay: short of room, evict the seqs with the
         most tokens generated first; otherwise admit the candidates (requests and batch
-        together) with the fewest generated first, past one that does not fit yet.
+        together) with the fewest generated first (among equals the largest, ``by_output``),
+        past one that does not fit yet.
 
         NOTE: where a step costs its total work, every schedule reads the same KV, and what
         it pays beyond that is a step's fixed part per step: the run's length in steps. While
@@ -430,7 +431,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         ``aligned-loose``'s rules), the long prompts were evicted again and again, and a
         fresh one among them, passed by evicted seqs at every boundary, decoded its whole
         output alone at the end. Admission still passes a seq that does not fit yet, so the
-        batch stays as wide as the blocks allow."""
+        batch stays as wide as the blocks allow; among seqs with as many tokens generated the
+        largest goes first, as in first-fit-decreasing packing: small seqs fill the room a
+        large one leaves, while a large one passed over waits for a hole its size and then
+        decodes with the blocks half empty at the end."""
         evict = plan_evictions(view, lambda: by_output_desc(view.running))
         if evict:
             return BoundaryPlan(evict=evict)

@@ -132,8 +132,9 @@ def by_output_desc(seqs: Iterable[SeqView]) -> list[SeqView]:
 
 def by_output(seqs: Iterable[SeqView]) -> list[SeqView]:
     """Fewest tokens generated first (the most output left, for all a policy knows); among
-    equal counts oldest first, then by id."""
-    return sorted(by_arrival(seqs), key=lambda s: s.num_output_tokens)
+    equal counts the most blocks first (a large seq fits only into room that small ones
+    have not taken yet; small ones fill what is left), then oldest, then by id."""
+    return sorted(by_arrival(seqs), key=lambda s: (s.num_output_tokens, -s.num_blocks))
 
 
 def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:

@@ -156,6 +156,25 @@ def test_aligned_runs_the_most_output_left_first_where_a_step_costs_its_total_wo
     assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
 
 
+def test_aligned_fits_the_largest_of_equal_output_left_first_under_total_work() -> None:
+    """Among candidates with as many tokens generated, the one with the most blocks goes
+    first: a small seq fits the room a large one leaves later, a large one does not fit
+    the room small ones leave (it then waits for a hole its size, and decodes its output
+    with the blocks half empty at the end)."""
+    def out(seq_view: SeqView, generated: int) -> SeqView:
+        return replace(seq_view, num_output_tokens=generated)
+
+    total_work = get_policy("aligned", PolicyConfig())
+    small = out(seq("small", 60, 4, arrival=1.0), 1)  # older
+    large = out(seq("large", 700, 44, arrival=2.0), 1)
+    running = [out(seq("r", 100, 7), 3)]
+    assert total_work.plan_boundary(view(running, 47, batch=(small, large))) == BoundaryPlan(
+        admit_batch=("large",))
+    # fewer tokens generated still go first, whatever their size
+    assert total_work.plan_boundary(
+        view(running, 47, batch=(small, out(large, 2)))) == BoundaryPlan(admit_batch=("small",))
+
+
 def test_aligned_admits_part_of_a_candidate_batch_only_where_the_part_pays() -> None:
     """A candidate batch of longer seqs, of which one fits beside a running batch of
     short ones: one step over both beats a step of each, yet that one seq would pad every
