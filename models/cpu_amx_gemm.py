@@ -206,7 +206,8 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, op: str = "non
     "add" (+ `residual`, [rows, out]) or "silu_mul" (weight and bias hold gate, then up:
     silu(gate) * up). None where the kernel declines (see the module docstring)."""
     rows = x.shape[0]
-    if rows > MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16 or x.dim() != 2:
+    if (rows > MAX_ROWS or rows == 0 or x.dtype != torch.bfloat16 or x.dim() != 2
+            or any(t is not None and t.dtype != torch.bfloat16 for t in (bias, residual))):
         return None
     lib = _library()
     if lib is None:

@@ -59,6 +59,7 @@ def test_prompt_rows_other_dtypes_and_odd_shapes_are_declined() -> None:
     packed = cpu_amx_gemm.pack(w)
     assert cpu_amx_gemm.linear(x, packed, b) is None  # prompts: oneDNN
     assert cpu_amx_gemm.linear(x[:4].float(), packed, b) is None
+    assert cpu_amx_gemm.linear(x[:4], packed, b.float()) is None
     assert not cpu_amx_gemm.fits(w[:40])  # not whole tiles of 16 features
     assert not cpu_amx_gemm.fits(w[:, :48])  # nor of 32 inputs
     assert not cpu_amx_gemm.fits(w.float())
