@@ -37,15 +37,11 @@ TILE_ROWS, TILE_INPUTS = 16, 32  # a weight tile: 16 output features x 32 inputs
 ENABLED = os.environ.get("ASERVE_AMX_GEMM", "1") != "0"
 OPS = {"none": 0, "relu": 1, "add": 2, "silu_mul": 3}  # what follows the product
 
-_SOURCE = HEADER + AMX_HEADER + r"""
+_SOURCE = cpu_kernels.VECTORS + HEADER + AMX_HEADER + r"""
 #include <stdbool.h>
 
 enum { OP_NONE, OP_RELU, OP_ADD, OP_SILU_MUL };
 
-static inline __m512 widen(const uint16_t *p) {  /* 16 bf16 -> 16 floats */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 #ifdef HAS_AMX
 /* c[t][j] (16 x 16 floats each, at c + (2 t + j) 256) = rows a[t] (16 each, t < g <= 2,
@@ -92,7 +88,7 @@ static inline void epilogue(const float *c, int j, int64_t rows, __m512 bias, in
         if (op == OP_RELU)
             v = _mm512_max_ps(v, _mm512_setzero_ps());
         else if (op == OP_ADD)
-            v = _mm512_add_ps(v, widen(residual + r * n));
+            v = _mm512_add_ps(v, (__m512)load_bf16(residual + r * n));
         _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
@@ -129,8 +125,8 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64
                                    gated ? blocks + p : (2 * p + 1 < blocks ? 2 * p + 1 : 2 * p)};
             const uint16_t *b[2] = {w + nb[0] * steps * 512, w + nb[1] * steps * 512};
             const __m512 zero = _mm512_setzero_ps();
-            const __m512 bias_v[2] = {bias ? widen(bias + nb[0] * 16) : zero,
-                                      bias ? widen(bias + nb[1] * 16) : zero};
+            const __m512 bias_v[2] = {bias ? (__m512)load_bf16(bias + nb[0] * 16) : zero,
+                                      bias ? (__m512)load_bf16(bias + nb[1] * 16) : zero};
             for (int64_t m0 = 0; m0 < m; m0 += 32) {
                 const int64_t rows = m - m0 < 32 ? m - m0 : 32;
                 const int g = rows > 16 ? 2 : 1;

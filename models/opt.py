@@ -343,29 +343,31 @@ class HalfLinear(nn.Module):
             out = F.linear(x, self.weight, self.bias)
             out = out.relu_() if relu else out
             return out if residual is None else out.add_(residual)
-        fused_add = residual is not None and residual.dtype == x.dtype
-        if self.has_tiles and x.shape[0] <= cpu_amx_gemm.MAX_ROWS:
-            tiled = cpu_amx_gemm.linear(x, self._tiles(), self.bias,
-                                        "add" if fused_add else "relu" if relu else "none",
-                                        residual if fused_add else None)
-            if tiled is not None:
-                return tiled if residual is None or fused_add else tiled.add_(residual)
+        fused = residual if residual is not None and residual.dtype == x.dtype else None
+        tiled = self._on_tiles(x, "add" if fused is not None else "relu" if relu else "none",
+                               fused)
+        if tiled is not None:
+            return tiled if residual is None or fused is not None else tiled.add_(residual)
         if self.packed is None:
             self.packed = self._pack(self.weight)
         packed, bias, shape = self.packed, self.bias, self.shape
-        if residual is not None and fused_add:
+        if fused is not None:
             return row_blocks.by_rows(
                 (shape, "add"), lambda x, r: torch.ops.mkldnn._linear_pointwise.binary(
-                    x, r, packed, bias, "add"), x, residual)
+                    x, r, packed, bias, "add"), x, fused)
         act = "relu" if relu else "none"
         out = row_blocks.by_rows((shape, act), lambda x: torch.ops.mkldnn._linear_pointwise(
             x, packed, bias, act, [], ""), x)
         return out if residual is None else out.add_(residual)
 
-    def _tiles(self) -> Tensor:
+    def _on_tiles(self, x: Tensor, op: str, residual: Tensor | None = None) -> Tensor | None:
+        """`cpu_amx_gemm.linear` of `x` with `op` where this layer has tiles and `x` is a
+        decode step's rows (the tiles packed on the first such product); None otherwise."""
+        if not self.has_tiles or x.shape[0] > cpu_amx_gemm.MAX_ROWS:
+            return None
         if self.tiles is None:
             self.tiles = cpu_amx_gemm.pack(self.weight.detach())
-        return self.tiles
+        return cpu_amx_gemm.linear(x, self.tiles, self.bias, op, residual)
 
     def _pack(self, weight: Tensor) -> Tensor:
         batch = half_layout(weight) if self.for_prompts else PACK_BATCH
@@ -376,10 +378,8 @@ class HalfLinear(nn.Module):
         over the halves' own packed weights, SiLU and the product fused into their outputs
         (oneDNN's swish and binary-mul post-ops), so no pass over the gate/up output. Up to
         `cpu_amx_gemm.MAX_ROWS` rows on AMX: one pass of that kernel over both halves."""
-        if self.has_tiles and x.shape[0] <= cpu_amx_gemm.MAX_ROWS:
-            out = cpu_amx_gemm.linear(x, self._tiles(), self.bias, "silu_mul")
-            if out is not None:
-                return out
+        if (tiled := self._on_tiles(x, "silu_mul")) is not None:
+            return tiled
         if self.halves is None:
             rows = self.weight.shape[0] // 2
             self.halves = tuple(  # type: ignore[assignment]
