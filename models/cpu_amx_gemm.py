@@ -9,7 +9,9 @@ the tiles of 16 features in a row, so that every thread reads its share of the w
 one forward stream. A thread takes two blocks of 16 features at a time (for SiLU(gate) x
 up, a gate block and its up block) and runs 32 rows against them in four accumulator tiles,
 so that each tile of rows (the first operand, loaded as the rows lie in the input) and each
-weight tile serves two products; more rows take the same blocks again, from cache. Then it
+weight tile serves two products; more rows take the same blocks again, from cache, while
+the next two blocks are prefetched into L2 (a tile load holds up the products behind it
+until its data arrives, so the stream must be ahead of it). Then it
 adds the bias, applies the ReLU, the residual or SiLU(gate) x up in float32 and rounds each
 output to bf16 once, as oneDNN's post-ops do.
 
@@ -31,8 +33,8 @@ from models import cpu_isa, cpu_kernels
 from models.cpu_bf16_attention import AMX_HEADER, HEADER
 
 # Most rows a product takes here: decode steps. Prompts go to oneDNN, whose blocking for
-# many rows is faster from about 200 rows on (`python -m bench.profile_step` shows both).
-MAX_ROWS = 128
+# many rows is faster from about 240 rows on (`python -m bench.profile_step` shows both).
+MAX_ROWS = 192
 TILE_ROWS, TILE_INPUTS = 16, 32  # a weight tile: 16 output features x 32 inputs (16 pairs)
 ENABLED = os.environ.get("ASERVE_AMX_GEMM", "1") != "0"
 OPS = {"none": 0, "relu": 1, "add": 2, "silu_mul": 3}  # what follows the product
@@ -47,9 +49,12 @@ enum { OP_NONE, OP_RELU, OP_ADD, OP_SILU_MUL };
 /* c[t][j] (16 x 16 floats each, at c + (2 t + j) 256) = rows a[t] (16 each, t < g <= 2,
    `lda` bf16 apart) x the packed tiles b[j] (k / 32 of them, one block of 16 features
    each): each row tile and each block's tile is loaded once per 32 inputs for two
-   products */
+   products. Meanwhile `lines` lines of each of the blocks `next` per 32 inputs, from line
+   `first` on, go to L2: a tile load stalls the products behind it until its data comes
+   (tiles are not renamed), so the weights must be near before the load asks for them. */
 static inline void pair_product(const uint16_t *const a[2], int g, int64_t lda,
-                                const uint16_t *const b[2], int64_t steps, float *c) {
+                                const uint16_t *const b[2], int64_t steps, float *c,
+                                const char *const next[2], int64_t first, int64_t lines) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -59,6 +64,12 @@ static inline void pair_product(const uint16_t *const a[2], int g, int64_t lda,
         /* the streams run ahead of the products: a line of each tile 8 steps on */
         _mm_prefetch((const char *)(b[0] + (s + 8) * 512), _MM_HINT_T0);
         _mm_prefetch((const char *)(b[1] + (s + 8) * 512), _MM_HINT_T0);
+        if (next[0] != NULL)
+            for (int64_t l = first + s * lines; l < first + (s + 1) * lines && l < 16 * steps;
+                 l++) {
+                _mm_prefetch(next[0] + l * 64, _MM_HINT_T1);
+                _mm_prefetch(next[1] + l * 64, _MM_HINT_T1);
+            }
         _tile_loadd(6, b[0] + s * 512, 64);
         _tile_loadd(7, b[1] + s * 512, 64);
         _tile_loadd(4, a[0] + s * 32, stride);
@@ -94,6 +105,13 @@ static inline void epilogue(const float *c, int j, int64_t rows, __m512 bias, in
 }
 #endif
 
+/* the blocks of work item `p`: (2 p, 2 p + 1), or for silu_mul (gate p, up p); an odd last
+   block pairs with itself (its second product is not written) */
+static inline void pair_blocks(int64_t p, int64_t blocks, bool gated, int64_t nb[2]) {
+    nb[0] = gated ? p : 2 * p;
+    nb[1] = gated ? blocks + p : (2 * p + 1 < blocks ? 2 * p + 1 : 2 * p);
+}
+
 /* out[m][n] = op(x[m] . w[n] + bias[n]) in bf16 for m rows of x (k bf16 each), w packed by
    `models.cpu_amx_gemm.pack` ([n / 16][k / 32][16 input pairs][16 features][2]). op: none,
    ReLU, + residual[m][n], or silu(gate) * up, where w holds 2 n features (gate, then up) and
@@ -114,16 +132,26 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64
         if (tail == NULL) return 1;
         memcpy(tail, x + full * k, (size_t)(m - full) * k * sizeof(uint16_t));
     }
+    /* Past 32 rows a pair's later passes read its blocks from cache and leave memory idle,
+       and its first pass waits on every weight tile: instead the next pair's blocks go to
+       L2 over this pair's passes, `lines` lines of each per 32 inputs. (With one pass the
+       stream is never idle, and the hardware's prefetch keeps up with it.) */
+    const int64_t passes = (m + 31) / 32, lines = (16 + passes - 1) / passes;
     #pragma omp parallel num_threads(threads)
     {
         amx_configure(8, (const uint16_t[8]){64, 64, 64, 64, 64, 64, 64, 64});
         float c[64 * 16] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
-            /* an odd last block pairs with itself; its second product is not written */
-            const int64_t nb[2] = {gated ? p : 2 * p,
-                                   gated ? blocks + p : (2 * p + 1 < blocks ? 2 * p + 1 : 2 * p)};
+            int64_t nb[2], next_nb[2];
+            pair_blocks(p, blocks, gated, nb);
             const uint16_t *b[2] = {w + nb[0] * steps * 512, w + nb[1] * steps * 512};
+            const char *next[2] = {NULL, NULL};
+            if (p + 1 < pairs && passes > 1) {
+                pair_blocks(p + 1, blocks, gated, next_nb);
+                for (int j = 0; j < 2; j++)
+                    next[j] = (const char *)(w + next_nb[j] * steps * 512);
+            }
             const __m512 zero = _mm512_setzero_ps();
             const __m512 bias_v[2] = {bias ? (__m512)load_bf16(bias + nb[0] * 16) : zero,
                                       bias ? (__m512)load_bf16(bias + nb[1] * 16) : zero};
@@ -133,7 +161,7 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64
                 const uint16_t *a[2];
                 for (int t = 0; t < 2; t++)
                     a[t] = m0 + 16 * t < full ? x + (m0 + 16 * t) * k : tail;
-                pair_product(a, g, k, b, steps, c);
+                pair_product(a, g, k, b, steps, c, next, m0 / 32 * steps * lines, lines);
                 if (!gated) {
                     for (int j = 0; j < (nb[1] != nb[0] ? 2 : 1); j++)
                         epilogue(c, j, rows, bias_v[j], op,
