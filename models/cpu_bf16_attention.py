@@ -22,7 +22,10 @@ p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query he
 share it, the next block prefetched into L2. On a CPU with AMX (and blocks of whole 16-key
 tiles) q.k is a tile product instead: 16 K rows, loaded straight from the cache, times the
 query heads of their KV head packed once per sequence as the second operand, 16 x rep
-scores per product where the vector path sums 16 lanes per score.
+scores per product where the vector path sums 16 lanes per score; at head_dim 64 p.v is
+one too, a KV head at a time: the bf16 weights of its query heads (16 keys) times its V
+rows of 16 keys interleaved in pairs (the second operand's layout, built per tile), into
+four accumulator tiles that stay put over the whole sequence.
 
 With AMX, torch's flash attention hands its tiles to oneDNN, whose GEMMs run on the AMX
 tile units, and computes prompts of 128 tokens and more 1.7-2.4x faster than the
@@ -110,15 +113,17 @@ static int amx_allowed(void) {
     return allowed;
 }
 
-/* This thread's tiles 0 .. n - 1: 16 rows each, of colsb[t] bytes (16 floats, or 32 bf16
-   as 16 pairs, at most) */
-static void amx_configure(int n, const uint16_t *colsb) {
+/* This thread's tiles 0 .. n - 1: rows[t] rows (16 where rows is NULL) of colsb[t] bytes
+   (16 floats, or 32 bf16 as 16 pairs, at most) */
+static void amx_configure_rows(int n, const uint16_t *colsb, const uint8_t *rows) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < n; t++) cfg.rows[t] = 16, cfg.colsb[t] = colsb[t];
+    for (int t = 0; t < n; t++) cfg.rows[t] = rows ? rows[t] : 16, cfg.colsb[t] = colsb[t];
     _tile_loadconfig(&cfg);
 }
+
+static void amx_configure(int n, const uint16_t *colsb) { amx_configure_rows(n, colsb, NULL); }
 #endif
 """
 
@@ -533,6 +538,56 @@ static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const u
         }
     }
 }
+
+/* acc (the rep query heads of KV head h, `dim` = 64 floats each, in `pv_block`'s order) =
+   their bf16 weights (w: head h's first query row, rows `wlen` apart, zero from len up to
+   a whole tile of keys) times KV head h's V rows (vh, rows `row` apart, blocks as `table`
+   says) over positions [0, len). Tiles 1, 3, 4, 5 accumulate dimensions 0-31 and 32-63,
+   each as `pv_block`'s two halves; tile 6 holds 16 keys' weights of 16 query rows (rows
+   past rep belong to the next head and go unused); tile 7 holds V rows of two keys
+   interleaved per pair, built in vt (4 x 8 rows of 32 bf16), zeros past len. */
+static void amx_values(const uint16_t *vh, const int64_t *table, int64_t block_stride,
+                       int64_t bs, int64_t row, int64_t rep, int64_t len, const uint16_t *w,
+                       int64_t wlen, uint16_t *vt, float *tile, float *acc) {
+    _tile_zero(1);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        const uint16_t *v = vh + table[p0 / bs] * block_stride + p0 % bs * row;
+        if (p0 % bs == 0 && p0 + bs < len)
+            prefetch_rows(vh + table[p0 / bs + 1] * block_stride, bs, row, 128);
+        const int64_t n = len - p0 < 16 ? len - p0 : 16;
+        for (int64_t i = 0; i < 8; i++)
+            for (int64_t c = 0; c < 2; c++) {
+                const __m512i a = 2 * i < n ? _mm512_loadu_si512(v + 2 * i * row + c * 32)
+                                            : zero;
+                const __m512i b = 2 * i + 1 < n
+                    ? _mm512_loadu_si512(v + (2 * i + 1) * row + c * 32) : zero;
+                _mm512_store_si512(vt + (2 * c * 8 + i) * 32, _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512(vt + ((2 * c + 1) * 8 + i) * 32,
+                                   _mm512_unpackhi_epi16(a, b));
+            }
+        _tile_loadd(6, w + p0, wlen * 2);
+        _tile_loadd(7, vt, 64);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, vt + 256, 64);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(7, vt + 512, 64);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, vt + 768, 64);
+        _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(1, tile, 64);
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64, tile + r * 16, 64);
+    _tile_stored(3, tile, 64);
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 16, tile + r * 16, 64);
+    _tile_stored(4, tile, 64);
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 32, tile + r * 16, 64);
+    _tile_stored(5, tile, 64);
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 48, tile + r * 16, 64);
+}
 #endif
 
 /* KV heads [h0, h0 + g) of sequence s with their rep query heads each: scores over all
@@ -540,10 +595,11 @@ static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const u
    in float32 from widened V rows. Both passes walk the block table in order, each block's
    rows of the g heads one contiguous run, the next block prefetched. */
 static void decode_item(const Decode *job, float *scores, uint16_t *weights, float *acc,
-                        uint32_t *qb, float *tile, int64_t s, int64_t h0, int64_t g) {
+                        uint32_t *qb, uint16_t *vt, float *tile, int64_t s, int64_t h0,
+                        int64_t g) {
     const int64_t rep = job->rep, dim = job->dim, row = job->heads * dim, bs = job->block_size;
     const int64_t len = job->lens[s], chunks = dim / 32, vecs = dim / 16, gq = g * rep;
-    const int64_t *table = job->tables + s * job->width, wlen = (len + 2) / 2 * 2;
+    const int64_t *table = job->tables + s * job->width, wlen = (len + 16) / 16 * 16;
     uint16_t *const k0 = job->k + h0 * dim, *const v0 = k0 + job->v_offset;
     if (job->k_new != NULL) {
         const int64_t p = len - 1, at = table[p / bs] * job->block_stride + p % bs * row;
@@ -602,10 +658,20 @@ static void decode_item(const Decode *job, float *scores, uint16_t *weights, flo
             sum = _mm512_add_ps(sum, e);
         }
         total[j] = _mm512_reduce_add_ps(sum);
-        weights[j * wlen + len] = 0;  /* the partner of an odd last position */
+        /* the partner of an odd last position, and the rest of a tile of keys */
+        memset(weights + j * wlen + len, 0, (wlen - len) * sizeof(uint16_t));
         memset(acc + j * dim, 0, dim * sizeof(float));
     }
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    int values_done = 0;
+#ifdef HAS_AMX
+    if (vt != NULL) {
+        for (int64_t h = 0; h < g; h++)
+            amx_values(v0 + h * dim, table, job->block_stride, bs, row, rep, len,
+                       weights + h * rep * wlen, wlen, vt, tile, acc + h * rep * dim);
+        values_done = 1;
+    }
+#endif
+    for (int64_t p0 = 0; !values_done && p0 < len; p0 += bs) {
         const int64_t n = len - p0 < bs ? len - p0 : bs;
         const uint16_t *v = v0 + table[p0 / bs] * job->block_stride;
         if (p0 + bs < len)
@@ -657,26 +723,34 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_new, const uint16_t *
     {
         float *scores = malloc(sizeof(float) * g * rep * (max_len > 0 ? max_len : 1));
         float *acc = malloc(sizeof(float) * g * rep * dim);
-        uint16_t *weights = malloc(sizeof(uint16_t) * g * rep * (max_len + 2));
+        /* a tile of weights reads 16 query rows and 16 keys from any head's first */
+        uint16_t *weights = malloc(sizeof(uint16_t) * (g * rep + 16) * (max_len + 16));
         uint32_t *qb = tiles ? malloc(sizeof(uint32_t) * g * rep * dim / 2) : NULL;
+        uint16_t *vt = tiles && dim == 64 ? aligned_alloc(64, 4 * 8 * 32 * sizeof(uint16_t))
+                                          : NULL;
         float tile[16 * 16];
-        failed = scores == NULL || acc == NULL || weights == NULL || (tiles && qb == NULL);
+        failed = scores == NULL || acc == NULL || weights == NULL || (tiles && qb == NULL)
+                 || (tiles && dim == 64 && vt == NULL);
 #ifdef HAS_AMX
         /* q.k of rep query heads: C (0) 16 keys x rep scores, A (1) 16 K rows x 32
            dimensions, B (2) the rep queries' 32 dimensions as 16 pairs */
+        /* p.v of rep query heads (dim 64): C (1, 3, 4, 5) 16 query rows x 16 dimensions,
+           A (6) 16 query rows x 16 keys, B (7) 8 pairs of V rows x 16 dimensions */
         if (tiles && !failed)
-            amx_configure(3, (const uint16_t[3]){(uint16_t)(rep * 4), 64, (uint16_t)(rep * 4)});
+            amx_configure_rows(8, (const uint16_t[8]){(uint16_t)(rep * 4), 64,
+                                                      (uint16_t)(rep * 4), 64, 64, 64, 32, 64},
+                               (const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 8});
 #endif
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * heads / g; i++)
             if (!failed)
-                decode_item(&job, scores, weights, acc, qb, tile, i / (heads / g),
+                decode_item(&job, scores, weights, acc, qb, vt, tile, i / (heads / g),
                             i % (heads / g) * g, g);
 #ifdef HAS_AMX
         if (tiles)
             _tile_release();
 #endif
-        free(scores), free(acc), free(weights), free(qb);
+        free(scores), free(acc), free(weights), free(qb), free(vt);
     }
     return failed ? -1 : 0;
 }

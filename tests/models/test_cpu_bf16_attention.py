@@ -132,10 +132,12 @@ DECODE_CASES = [  # kernel, heads, KV heads, head_dim, block size, cpu_bf16_atte
     *((cpu_bf16_attention, *shape, 4, tiles) for shape in [(9, 3, 64), (12, 12, 64), (4, 1, 32),
                                                            (4, 2, 128)]
       for tiles in (True, False)),
-    # whole 16-key tiles per block: q.k on AMX tiles where the CPU has them (up to 16 query
-    # heads per KV head; 17 take the vector path), and the vector path with the tiles off
+    # whole 16-key tiles per block: q.k (and p.v at head_dim 64) on AMX tiles where the CPU
+    # has them (up to 16 query heads per KV head; 17 take the vector path), and the vector
+    # path with the tiles off
     *((cpu_bf16_attention, *shape, tiles) for shape in [(9, 3, 64, 16), (8, 1, 128, 32),
-                                                        (32, 2, 64, 16), (17, 1, 32, 16)]
+                                                        (32, 2, 64, 16), (17, 1, 32, 16),
+                                                        (8, 2, 64, 32)]
       for tiles in (True, False)),
     # block sizes that split its 16-position tiles, every head_dim it has a kernel for (no
     # tile path)
@@ -152,7 +154,8 @@ def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads:
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One query per sequence over lengths that end inside, at and just past a block and a
     16-position tile: within bf16 rounding of the float64 answer, and this step's K/V land
-    in the cache exactly as write_kv puts them."""
+    in the cache exactly as write_kv puts them. The slots past each sequence's end hold NaN
+    (a block's unwritten rows are whatever memory held): no answer may depend on them."""
     monkeypatch.setattr(cpu_bf16_attention, "TILES", tiles)
     torch.manual_seed(num_seqs * dim + block_size)
     lens = [(1, 15, 16, 17, 32, 33, 150)[i % 7] + i // 7 for i in range(num_seqs)]
@@ -161,12 +164,15 @@ def test_decode_matches_float64_and_writes_the_new_kv(kernel: ModuleType, heads:
     q = torch.randn(num_seqs, heads, dim).to(torch.bfloat16)
     k_new, v_new = torch.randn(2, num_seqs, kv_heads, dim).to(torch.bfloat16)
     meta = AttentionMetadata.build([1] * num_seqs, lens, tables, block_size, "cpu")
+    for i, n in enumerate(lens):
+        last = int(meta.block_tables[i][(n - 1) // block_size])
+        kv_cache[last, :, :, (n - 1) % block_size + 1:] = float("nan")
     want_cache = kv_cache.clone()
     write_kv(want_cache, 1, k_new, v_new, meta.slot_mapping)
     out = kernel.decode(q, kv_cache, 1, meta.block_tables, meta.seq_lens, max(lens), SCALE,
                         (k_new, v_new))
     assert out is not None and out.dtype == torch.bfloat16
-    assert torch.equal(kv_cache, want_cache)
+    assert torch.equal(kv_cache.view(torch.int16), want_cache.view(torch.int16))  # NaN bits too
     want = dense_reference(q.double(), want_cache, 1, meta, SCALE)
     err = (out.double() - want).abs()
     assert err.max() < 2e-2 and err.mean() < 2e-3
