@@ -546,6 +546,11 @@ static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const u
    each as `pv_block`'s two halves; tile 6 holds 16 keys' weights of 16 query rows (rows
    past rep belong to the next head and go unused); tile 7 holds V rows of two keys
    interleaved per pair, built in vt (4 x 8 rows of 32 bf16), zeros past len. */
+/* the first rep rows of a stored 16 x 16 float tile into acc's rows (64 floats apart) */
+static inline void tile_rows_to(const float *tile, int64_t rep, float *acc) {
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64, tile + r * 16, 16 * sizeof(float));
+}
+
 static void amx_values(const uint16_t *vh, const int64_t *table, int64_t block_stride,
                        int64_t bs, int64_t row, int64_t rep, int64_t len, const uint16_t *w,
                        int64_t wlen, uint16_t *vt, float *tile, float *acc) {
@@ -580,13 +585,13 @@ static void amx_values(const uint16_t *vh, const int64_t *table, int64_t block_s
         _tile_dpbf16ps(5, 6, 7);
     }
     _tile_stored(1, tile, 64);
-    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64, tile + r * 16, 64);
+    tile_rows_to(tile, rep, acc);
     _tile_stored(3, tile, 64);
-    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 16, tile + r * 16, 64);
+    tile_rows_to(tile, rep, acc + 16);
     _tile_stored(4, tile, 64);
-    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 32, tile + r * 16, 64);
+    tile_rows_to(tile, rep, acc + 32);
     _tile_stored(5, tile, 64);
-    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64 + 48, tile + r * 16, 64);
+    tile_rows_to(tile, rep, acc + 48);
 }
 #endif
 
@@ -662,16 +667,13 @@ static void decode_item(const Decode *job, float *scores, uint16_t *weights, flo
         memset(weights + j * wlen + len, 0, (wlen - len) * sizeof(uint16_t));
         memset(acc + j * dim, 0, dim * sizeof(float));
     }
-    int values_done = 0;
 #ifdef HAS_AMX
-    if (vt != NULL) {
+    if (vt != NULL)  /* p.v on the tiles; else (and without AMX, where vt is NULL) below */
         for (int64_t h = 0; h < g; h++)
             amx_values(v0 + h * dim, table, job->block_stride, bs, row, rep, len,
                        weights + h * rep * wlen, wlen, vt, tile, acc + h * rep * dim);
-        values_done = 1;
-    }
 #endif
-    for (int64_t p0 = 0; !values_done && p0 < len; p0 += bs) {
+    for (int64_t p0 = 0; vt == NULL && p0 < len; p0 += bs) {
         const int64_t n = len - p0 < bs ? len - p0 : bs;
         const uint16_t *v = v0 + table[p0 / bs] * job->block_stride;
         if (p0 + bs < len)
