@@ -90,7 +90,7 @@ static inline __m512 exp16(__m512 x) {
 }
 """
 
-# C shared with the other kernels on AMX tiles (`models.cpu_amx_gemm`): after HEADER, it
+# C shared with the other kernels on AMX tiles (`models.cpu_bf16_gemm`): after HEADER, it
 # defines HAS_AMX where the compiler targets AMX-BF16
 AMX_HEADER = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

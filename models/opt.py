@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_amx_gemm, cpu_gemm, cpu_norm, measure, row_blocks
+from models import cpu_bf16_gemm, cpu_gemm, cpu_norm, measure, row_blocks
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -311,10 +311,10 @@ class HalfLinear(nn.Module):
     reordering the weight on every call, with the residual add fused into the GEMM's
     output. Weights under `PACK_MIN_WEIGHTS` elements take `F.linear`. A layer that also
     serves prompts (`for_prompts`: not an LM head, which sees sampled rows only) is packed
-    in the layout `half_layout` measured faster for its shape. On a CPU with AMX, products
-    of up to `cpu_amx_gemm.MAX_ROWS` rows (decode steps) take that module's kernel, from a
-    copy of the weight packed as its tiles, with the same post-ops; each copy is made on
-    the first product that needs it."""
+    in the layout `half_layout` measured faster for its shape. On a CPU with AMX or AVX-512
+    BF16, products of up to `cpu_bf16_gemm.MAX_ROWS` rows (decode steps) take that module's
+    kernel, from a copy of the weight packed as its tiles, with the same post-ops; each copy
+    is made on the first product that needs it."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, for_prompts: bool = True) -> None:
         super().__init__()
@@ -326,9 +326,9 @@ class HalfLinear(nn.Module):
         # NOTE: packed on the first forward, in the runner's thread (as Float32Linear).
         self.packed: Tensor | None = None
         self.halves: tuple[tuple[Tensor, Tensor | None], ...] | None = None  # `silu_mul`'s
-        self.tiles: Tensor | None = None  # `cpu_amx_gemm.pack(weight)`, where it is used
-        self.has_tiles = (self.is_packed and cpu_amx_gemm.fits(weight)
-                          and cpu_amx_gemm.is_available())
+        self.tiles: Tensor | None = None  # `cpu_bf16_gemm.pack(weight)`, where it is used
+        self.has_decode_kernel = (self.is_packed and cpu_bf16_gemm.fits(weight)
+                          and cpu_bf16_gemm.is_available())
 
     @classmethod
     def of(cls, linear: nn.Linear) -> HalfLinear:
@@ -344,10 +344,9 @@ class HalfLinear(nn.Module):
             out = out.relu_() if relu else out
             return out if residual is None else out.add_(residual)
         fused = residual if residual is not None and residual.dtype == x.dtype else None
-        tiled = self._on_tiles(x, "add" if fused is not None else "relu" if relu else "none",
-                               fused)
-        if tiled is not None:
-            return tiled if residual is None or fused is not None else tiled.add_(residual)
+        op = "add" if fused is not None else "relu" if relu else "none"
+        if (decoded := self._decode_kernel(x, op, fused)) is not None:
+            return decoded if residual is None or fused is not None else decoded.add_(residual)
         if self.packed is None:
             self.packed = self._pack(self.weight)
         packed, bias, shape = self.packed, self.bias, self.shape
@@ -360,14 +359,14 @@ class HalfLinear(nn.Module):
             x, packed, bias, act, [], ""), x)
         return out if residual is None else out.add_(residual)
 
-    def _on_tiles(self, x: Tensor, op: str, residual: Tensor | None = None) -> Tensor | None:
-        """`cpu_amx_gemm.linear` of `x` with `op` where this layer has tiles and `x` is a
-        decode step's rows (the tiles packed on the first such product); None otherwise."""
-        if not self.has_tiles or x.shape[0] > cpu_amx_gemm.MAX_ROWS:
+    def _decode_kernel(self, x: Tensor, op: str, residual: Tensor | None = None) -> Tensor | None:
+        """`cpu_bf16_gemm.linear` of `x` with `op` where this layer has that kernel and `x` is
+        a decode step's rows (the tiles packed on the first such product); None otherwise."""
+        if not self.has_decode_kernel or x.shape[0] > cpu_bf16_gemm.MAX_ROWS:
             return None
         if self.tiles is None:
-            self.tiles = cpu_amx_gemm.pack(self.weight.detach())
-        return cpu_amx_gemm.linear(x, self.tiles, self.bias, op, residual)
+            self.tiles = cpu_bf16_gemm.pack(self.weight.detach())
+        return cpu_bf16_gemm.linear(x, self.tiles, self.bias, op, residual)
 
     def _pack(self, weight: Tensor) -> Tensor:
         batch = half_layout(weight) if self.for_prompts else PACK_BATCH
@@ -377,9 +376,9 @@ class HalfLinear(nn.Module):
         """silu(gate) * up of a fused gate/up layer (gate rows, then up rows): two GEMMs
         over the halves' own packed weights, SiLU and the product fused into their outputs
         (oneDNN's swish and binary-mul post-ops), so no pass over the gate/up output. Up to
-        `cpu_amx_gemm.MAX_ROWS` rows on AMX: one pass of that kernel over both halves."""
-        if (tiled := self._on_tiles(x, "silu_mul")) is not None:
-            return tiled
+        `cpu_bf16_gemm.MAX_ROWS` rows: one pass of that kernel over both halves."""
+        if (decoded := self._decode_kernel(x, "silu_mul")) is not None:
+            return decoded
         if self.halves is None:
             rows = self.weight.shape[0] // 2
             self.halves = tuple(  # type: ignore[assignment]

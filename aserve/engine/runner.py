@@ -21,7 +21,7 @@ import aserve
 from aserve.engine.config import ModelConfig
 from aserve.engine.cuda_graphs import DecodeGraphs
 from aserve.engine.host import tune_host_allocator
-from models import cpu_isa
+from models import cpu_bf16_gemm, cpu_isa
 from models.attention import AttentionMetadata, get_backend
 from models.loader import load_model
 from models.opt import HalfLinear, OPTConfig, OPTForCausalLM, fit_matmuls_to
@@ -122,7 +122,9 @@ class ModelRunner:
         packed = fit_matmuls_to(self.model, device)
         if device.type == "cpu":
             halves = [m for m in self.model.modules() if isinstance(m, HalfLinear)]
-            tiles = " (decode rows on AMX tiles)" if any(m.has_tiles for m in halves) else ""
+            kernel = "AMX tiles" if cpu_bf16_gemm.has_tiles() else "AVX-512 BF16"
+            tiles = (f" (decode rows on {kernel})" if any(m.has_decode_kernel for m in halves)
+                     else "")
             logger.info("CPU: %s; %s model: linear layers in %s; %d threads, idle ones: %s",
                         cpu_isa.describe(), config.dtype, "prepacked float32" if packed else
                         f"prepacked {config.dtype}{tiles}" if halves else config.dtype,
