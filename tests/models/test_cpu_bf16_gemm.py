@@ -65,6 +65,18 @@ def test_silu_mul_runs_both_halves_of_a_gated_layer(rows: int, features: int,
     assert ((got.float() - want).abs() <= 2 ** -6 * want.abs() + 2e-3).all()
 
 
+@pytest.mark.parametrize("tiles", PATHS)
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_product(tiles: bool) -> None:
+    """A sequence's logits do not depend on the batch it decodes in."""
+    x, w, b, r = inputs(70, 96, 256, seed=3)
+    packed = cpu_bf16_gemm.pack(w)
+    whole = cpu_bf16_gemm.linear(x, packed, b, "add", r, tiles=tiles)
+    assert whole is not None
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(64, 70)):
+        part = cpu_bf16_gemm.linear(x[rows], packed, b, "add", r[rows], tiles=tiles)
+        assert part is not None and torch.equal(part, whole[rows])
+
+
 def test_prompt_rows_other_dtypes_and_odd_shapes_are_declined() -> None:
     x, w, b, _ = inputs(cpu_bf16_gemm.MAX_ROWS + 1, 64, 128)
     packed = cpu_bf16_gemm.pack(w)
