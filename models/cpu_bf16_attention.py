@@ -616,11 +616,23 @@ static void decode_item(const Decode *job, float *scores, uint16_t *weights, flo
     if (qb != NULL)
         amx_pack_queries(q, g, rep, dim, qb);
 #endif
+    /* With every KV head of the sequence (g = heads) a block's K rows are one contiguous
+       run, and so are its V rows: the vector q.k below then sends the next block's K and
+       this block's V to L2 one line each per product, so that the misses overlap with the
+       products instead of queueing in a burst (the p.v pass finds V in L2). */
+    const int spread = g == job->heads && qb == NULL;
+    const int64_t lines = bs * row * sizeof(uint16_t) / 64;
+    if (spread)
+        prefetch_rows(k0 + table[0] * job->block_stride, len < bs ? len : bs, row, row * 2);
     for (int64_t p0 = 0; p0 < len; p0 += bs) {
         const int64_t n = len - p0 < bs ? len - p0 : bs;
         const uint16_t *k = k0 + table[p0 / bs] * job->block_stride;
-        if (p0 + bs < len)
-            prefetch_rows(k0 + table[p0 / bs + 1] * job->block_stride, bs, row, g * dim * 2);
+        const char *next_k = p0 + bs < len ? (const char *)(k0 + table[p0 / bs + 1]
+                                                              * job->block_stride) : NULL;
+        const char *this_v = (const char *)(v0 + table[p0 / bs] * job->block_stride);
+        int64_t line = spread ? 0 : lines;
+        if (!spread && next_k != NULL)
+            prefetch_rows((const uint16_t *)next_k, bs, row, g * dim * 2);
 #ifdef HAS_AMX
         if (qb != NULL) {
             for (int64_t t = 0; t < n; t += 16)
@@ -636,6 +648,12 @@ static void decode_item(const Decode *job, float *scores, uint16_t *weights, flo
             const uint16_t *kh = k + j / rep * dim;
             float *sj = scores + j * len + p0;
             for (int64_t t = 0; t < n; t++) {
+                if (line < lines) {
+                    if (next_k != NULL)
+                        __builtin_prefetch(next_k + line * 64, 0, 2);
+                    __builtin_prefetch(this_v + line * 64, 0, 2);
+                    line++;
+                }
                 __m512 a = _mm512_setzero_ps();
                 for (int64_t c = 0; c < chunks; c++)
                     a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(
