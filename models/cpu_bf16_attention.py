@@ -19,8 +19,10 @@ its queries then sit at the end of its keys (bottom-right causal mask).
 `decode` is the same for one query per sequence over its paged KV, for grouped-query
 models (`models.cpu_attention.decode` hands it those): q.k by `vdpbf16ps` on each K row,
 p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query heads that
-share it, the next block prefetched into L2. On a CPU with AMX (and blocks of whole 16-key
-tiles) q.k is a tile product instead: 16 K rows, loaded straight from the cache, times the
+share it, the next block prefetched into L2 (with a whole sequence per work item, its K and
+the current block's V a line per q.k product, so that the misses overlap with the
+products). On a CPU with AMX (and blocks of whole 16-key tiles) q.k is a tile product
+instead: 16 K rows, loaded straight from the cache, times the
 query heads of their KV head packed once per sequence as the second operand, 16 x rep
 scores per product where the vector path sums 16 lanes per score; at head_dim 64 p.v is
 one too, a KV head at a time: the bf16 weights of its query heads (16 keys) times its V
