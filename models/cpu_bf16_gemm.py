@@ -204,10 +204,11 @@ enum { VR = 4, VJ = 4 };  /* rows x blocks of 16 features per pass: 16 accumulat
 /* the blocks of work item `q`: 4 q .. 4 q + 3, or for silu_mul gate 2 q, 2 q + 1, then up
    2 q, 2 q + 1; past the last block, the last again (its products are not written) */
 static inline void quad_blocks(int64_t q, int64_t blocks, bool gated, int64_t nb[VJ]) {
+    const int64_t half = blocks / 2;  /* silu_mul: gate blocks [0, half), up blocks after */
     for (int j = 0; j < VJ; j++) {
-        const int64_t b = gated ? 2 * q + j % 2 : VJ * q + j, last = gated ? blocks / 2 - 1
-                                                                              : blocks - 1;
-        nb[j] = (b < last ? b : last) + (gated && j >= 2 ? blocks / 2 : 0);
+        const int64_t b = gated ? 2 * q + j % 2 : VJ * q + j;
+        nb[j] = gated ? (b < half ? b : half - 1) + (j >= 2 ? half : 0)
+                      : (b < blocks ? b : blocks - 1);
     }
 }
 
@@ -286,7 +287,8 @@ static int vector_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t
                          const uint16_t *bias, const uint16_t *residual, int op,
                          uint16_t *out, int threads) {
     const bool gated = op == OP_SILU_MUL;
-    const int64_t blocks = (gated ? 2 * n : n) / 16, per_block = k / 32 * 16;
+    const int64_t blocks = (gated ? 2 * n : n) / 16, steps = k / 32;
+    const int64_t per_block = steps * 16;  /* cache lines of one block */
     const int64_t items = gated ? (blocks / 2 + 1) / 2 : (blocks + VJ - 1) / VJ;
     const int64_t passes = (m + VR - 1) / VR;
     /* the next item's 4 blocks over this item's passes (with one pass the stream never
@@ -301,10 +303,10 @@ static int vector_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t
         __m512 bias_v[VJ];
         if (q + 1 < items && lpp > 0) quad_blocks(q + 1, blocks, gated, next_nb);
         for (int j = 0; j < VJ; j++) {
-            b[j] = w + nb[j] * per_block * 32;
+            b[j] = w + nb[j] * steps * 512;
             bias_v[j] = bias ? (__m512)load_bf16(bias + nb[j] * 16) : _mm512_setzero_ps();
             if (q + 1 < items && lpp > 0 && (j == 0 || next_nb[j] != next_nb[j - 1]))
-                next[j] = (const char *)(w + next_nb[j] * per_block * 32);
+                next[j] = (const char *)(w + next_nb[j] * steps * 512);
         }
         int64_t line = 0;
         for (int64_t m0 = 0; m0 < m; m0 += VR) {
