@@ -22,12 +22,12 @@ p.v by `vdpbf16ps` over pairs of V rows, each row read once for all the query he
 share it, the next block prefetched into L2 (with a whole sequence per work item, its K and
 the current block's V a line per q.k product, so that the misses overlap with the
 products). On a CPU with AMX (and blocks of whole 16-key tiles) q.k is a tile product
-instead: 16 K rows, loaded straight from the cache, times the
-query heads of their KV head packed once per sequence as the second operand, 16 x rep
-scores per product where the vector path sums 16 lanes per score; at head_dim 64 p.v is
-one too, a KV head at a time: the bf16 weights of its query heads (16 keys) times its V
-rows of 16 keys interleaved in pairs (the second operand's layout, built per tile), into
-four accumulator tiles that stay put over the whole sequence.
+instead: 16 K rows, loaded straight from the cache, times the query heads of their KV
+head packed once per sequence as the second operand, 16 x rep scores per product where
+the vector path sums 16 lanes per score; at head_dim 64 p.v is one too, a KV head at a
+time: the bf16 weights of its query heads (16 keys) times its V rows of 16 keys
+interleaved in pairs (the second operand's layout, built per tile), into four
+accumulator tiles that stay put over the whole sequence.
 
 With AMX, torch's flash attention hands its tiles to oneDNN, whose GEMMs run on the AMX
 tile units, and computes prompts of 128 tokens and more 1.7-2.4x faster than the
@@ -541,6 +541,11 @@ static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const u
     }
 }
 
+/* the first rep rows of a stored 16 x 16 float tile into acc's rows (64 floats apart) */
+static inline void tile_rows_to(const float *tile, int64_t rep, float *acc) {
+    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64, tile + r * 16, 16 * sizeof(float));
+}
+
 /* acc (the rep query heads of KV head h, `dim` = 64 floats each, in `pv_block`'s order) =
    their bf16 weights (w: head h's first query row, rows `wlen` apart, zero from len up to
    a whole tile of keys) times KV head h's V rows (vh, rows `row` apart, blocks as `table`
@@ -548,11 +553,6 @@ static inline void amx_scores(const uint16_t *k, int64_t row, int64_t n, const u
    each as `pv_block`'s two halves; tile 6 holds 16 keys' weights of 16 query rows (rows
    past rep belong to the next head and go unused); tile 7 holds V rows of two keys
    interleaved per pair, built in vt (4 x 8 rows of 32 bf16), zeros past len. */
-/* the first rep rows of a stored 16 x 16 float tile into acc's rows (64 floats apart) */
-static inline void tile_rows_to(const float *tile, int64_t rep, float *acc) {
-    for (int64_t r = 0; r < rep; r++) memcpy(acc + r * 64, tile + r * 16, 16 * sizeof(float));
-}
-
 static void amx_values(const uint16_t *vh, const int64_t *table, int64_t block_stride,
                        int64_t bs, int64_t row, int64_t rep, int64_t len, const uint16_t *w,
                        int64_t wlen, uint16_t *vt, float *tile, float *acc) {

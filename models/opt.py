@@ -328,7 +328,7 @@ class HalfLinear(nn.Module):
         self.halves: tuple[tuple[Tensor, Tensor | None], ...] | None = None  # `silu_mul`'s
         self.tiles: Tensor | None = None  # `cpu_bf16_gemm.pack(weight)`, where it is used
         self.has_decode_kernel = (self.is_packed and cpu_bf16_gemm.fits(weight)
-                          and cpu_bf16_gemm.is_available())
+                                  and cpu_bf16_gemm.is_available())
 
     @classmethod
     def of(cls, linear: nn.Linear) -> HalfLinear:

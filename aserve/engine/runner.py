@@ -123,11 +123,11 @@ class ModelRunner:
         if device.type == "cpu":
             halves = [m for m in self.model.modules() if isinstance(m, HalfLinear)]
             kernel = "AMX tiles" if cpu_bf16_gemm.has_tiles() else "AVX-512 BF16"
-            tiles = (f" (decode rows on {kernel})" if any(m.has_decode_kernel for m in halves)
-                     else "")
+            decode = (f" (decode rows on {kernel})" if any(m.has_decode_kernel for m in halves)
+                      else "")
             logger.info("CPU: %s; %s model: linear layers in %s; %d threads, idle ones: %s",
                         cpu_isa.describe(), config.dtype, "prepacked float32" if packed else
-                        f"prepacked {config.dtype}{tiles}" if halves else config.dtype,
+                        f"prepacked {config.dtype}{decode}" if halves else config.dtype,
                         torch.get_num_threads(), aserve.OPENMP_WAITS)
         self.backend = get_backend(config.attention)
         # float64 runs on the CPU are the reference: their GEMMs stay over the real rows
