@@ -55,7 +55,7 @@ from torch import Tensor
 
 from models import cpu_isa, cpu_kernels
 
-NATIVE_BF16_LEVELS = ("AMX", "AVX-512-bf16")  # cpu_isa levels with `vdpbf16ps`
+NATIVE_BF16_LEVELS = cpu_isa.NATIVE_BF16_LEVELS  # the levels with `vdpbf16ps`
 # where `prefill` beats torch's SDPA (module docstring): on AMX with its tiles only
 PROMPT_LEVELS = ("AVX-512-bf16", "AMX")
 # AMX tiles where the CPU has them: prompts' q.k and p.v, decode's q.k (False, or

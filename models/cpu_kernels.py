@@ -38,8 +38,11 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 def march() -> str:
     """The CPU the kernels are compiled for: this one (`native`), or the GCC `-march` name
     in ASERVE_MARCH, e.g. `haswell` for AVX2 code that also runs on older x86 CPUs sharing
-    a cache, or to time this machine's AVX2 path (docs/results-cpu.md)."""
-    return os.environ.get("ASERVE_MARCH") or "native"
+    a cache; under ASERVE_MAX_ISA (`cpu_isa.CAPS`) the generic x86-64 level of that cap, to
+    run and time a lower level's code paths on this machine (docs/results-cpu.md)."""
+    cap = cpu_isa.max_isa()
+    return (os.environ.get("ASERVE_MARCH") or (cap is not None and cpu_isa.CAPS[cap][1])
+            or "native")
 
 # C shared by the kernels written for whole registers (`cpu_norm`, `cpu_rotary`,
 # `cpu_argmax`): GCC/Clang vector extensions of LANES floats, 16 where the CPU has AVX-512

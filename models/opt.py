@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models import cpu_bf16_gemm, cpu_gemm, cpu_norm, measure, row_blocks
+from models import cpu_bf16_gemm, cpu_gemm, cpu_isa, cpu_norm, measure, row_blocks
 from models.attention import AttentionBackend, AttentionMetadata
 
 POSITION_OFFSET = 2  # OPT's learned position table starts its positions at row 2
@@ -429,7 +429,7 @@ def has_half_matmul(dtype: torch.dtype) -> bool:
     """Whether this CPU has a native GEMM for `dtype` (oneDNN: AVX-512 BF16/FP16 or AMX);
     without one, torch's bf16/fp16 matmuls run several times slower than float32."""
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cpu_isa.detect().native_bf16_matmul
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return True
