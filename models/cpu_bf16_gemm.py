@@ -34,6 +34,7 @@ ASERVE_BF16_GEMM=0 these kernels).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from functools import cache
 
@@ -42,6 +43,8 @@ from torch import Tensor
 
 from models import cpu_isa, cpu_kernels
 from models.cpu_bf16_attention import AMX_HEADER, HEADER
+
+logger = logging.getLogger(__name__)
 
 # Most rows a product takes here: decode steps. Prompts go to oneDNN, whose blocking for
 # many rows is faster from about 240 rows on with AMX (without, within 3 % at 256 rows).
@@ -345,10 +348,23 @@ int bf16_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int6
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    """Compiles (once per source and flags) and loads the kernel; None when it cannot."""
+    """Compiles (once per source and flags) and loads the kernel; None when it cannot, or
+    when it was built for a CPU without AVX-512 BF16 (an older `ASERVE_MARCH`), where it
+    declines every product."""
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return cpu_kernels.build_openmp(
+    lib = cpu_kernels.build_openmp(
         "bf16_linear", _SOURCE, [ptr, i64, i64, ptr, i64, ptr, ptr, i32, ptr, i32, i32])
+    if lib is None:
+        return None
+    x, w = torch.zeros(TILE_INPUTS, dtype=torch.bfloat16), torch.zeros(
+        TILE_ROWS * TILE_INPUTS, dtype=torch.bfloat16)
+    out = torch.empty(TILE_ROWS, dtype=torch.bfloat16)
+    if lib.bf16_linear(x.data_ptr(), 1, TILE_INPUTS, w.data_ptr(), TILE_ROWS, None, None, 0,
+                       out.data_ptr(), 0, 1) != 0:
+        logger.info("bf16_linear was built without AVX-512 BF16 (-march=%s): not used",
+                    cpu_kernels.march())
+        return None
+    return lib
 
 
 def is_available() -> bool:
