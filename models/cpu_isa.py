@@ -104,9 +104,9 @@ def detect() -> CpuIsa:
     have = set(flags.split())
     level = level_of(flags)
     # NOTE: oneDNN also takes bf16 matmuls on AVX-512 without bf16 instructions (Skylake-SP
-    # to Ice Lake), widening them as it goes; there a bf16 opt-125m's decode step of 64
-    # sequences ran 2.3x slower than on the float32 path (`models.opt.fit_matmuls_to`),
-    # so only a level with bf16 dot products counts as native.
+    # to Ice Lake), widening them as it goes, about half as fast as the float32 path
+    # (`models.opt.fit_matmuls_to`; docs/results-cpu.md), so only a level with bf16 dot
+    # products counts as native.
     native = bool(level in NATIVE_BF16_LEVELS and torch.backends.mkldnn.is_available()
                   and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return CpuIsa(level, tuple(f for f in SHOWN_FLAGS if f in have),
