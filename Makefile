@@ -48,10 +48,11 @@ test: $(VENV)/.installed-test
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
 		-m "not bench and not soak and not gpu" tests
 	$(AVX2) $(BIN)/python -m pytest -q -x -n 2 --dist loadfile $(TESTS) $(ISA_TESTS)
+	$(AVX512) $(BIN)/python -m pytest -q -x -n 2 --dist loadfile $(TESTS) $(ISA_TESTS)
 
 # A lower instruction set's code paths on this CPU (models/cpu_isa.py, ASERVE_MAX_ISA; the
 # instructions, not that CPU's caches): `make test` runs the kernels' and models' tests so
-# capped at AVX2, `make test-isa` the whole suite at AVX2 and at AVX-512 without bf16.
+# capped at AVX2 and at AVX-512 without bf16, `make test-isa` the whole suite at both.
 TESTS := -m "not bench and not soak and not gpu"
 AVX2 := OMP_WAIT_POLICY=PASSIVE ASERVE_MAX_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
