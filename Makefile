@@ -46,7 +46,7 @@ serve: $(VENV)/.installed-serve
 # OpenMP threads share the cores, so idle ones sleep at once instead of spinning.
 test: $(VENV)/.installed-test
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=10 \
-		-m "not bench and not soak and not gpu" tests
+		$(TESTS) tests
 	$(AVX2) $(BIN)/python -m pytest -q -x -n 2 --dist loadfile $(TESTS) $(ISA_TESTS)
 	$(AVX512) $(BIN)/python -m pytest -q -x -n 2 --dist loadfile $(TESTS) $(ISA_TESTS)
 

@@ -55,7 +55,6 @@ from torch import Tensor
 
 from models import cpu_isa, cpu_kernels
 
-NATIVE_BF16_LEVELS = cpu_isa.NATIVE_BF16_LEVELS  # the levels with `vdpbf16ps`
 # where `prefill` beats torch's SDPA (module docstring): on AMX with its tiles only
 PROMPT_LEVELS = ("AVX-512-bf16", "AMX")
 # AMX tiles where the CPU has them: prompts' q.k and p.v, decode's q.k (False, or
@@ -799,7 +798,7 @@ def _library() -> ctypes.CDLL | None:
 def is_supported(q: Tensor) -> bool:
     """Whether `prefill` runs for queries like `q` on this machine."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
-            and cpu_isa.detect().level in NATIVE_BF16_LEVELS and _library() is not None)
+            and cpu_isa.detect().level in cpu_isa.NATIVE_BF16_LEVELS and _library() is not None)
 
 
 def takes_prompts(q: Tensor) -> bool:

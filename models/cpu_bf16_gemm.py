@@ -370,7 +370,7 @@ def _library() -> ctypes.CDLL | None:
 def is_available() -> bool:
     """Whether this CPU has AMX or AVX-512 BF16 and the kernel is built (it may still
     decline a shape)."""
-    return (ENABLED and cpu_isa.detect().level in ("AMX", "AVX-512-bf16")
+    return (ENABLED and cpu_isa.detect().level in cpu_isa.NATIVE_BF16_LEVELS
             and _library() is not None)
 
 
