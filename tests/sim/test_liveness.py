@@ -1,8 +1,9 @@
 """Liveness as a property: under every registered policy, random workloads (lengths from a
 few tokens to the context limit, bursts and trickles, tiny and large decode, staging and
-host capacities, starvation thresholds from 0 to off) all finish in the simulator, no
-request goes back and forth between the host pool and a device more than a few times, and
-the run's events stay proportional to the work done (a livelock would spin forever)."""
+host capacities, a device per instance or one shared, starvation thresholds from 0 to off)
+all finish in the simulator, no request goes back and forth between the host pool and a
+device more than a few times, and the run's events stay proportional to the work done (a
+livelock would spin forever). And one workload of the bench's family that once stalled."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def cost_model(kernel: str) -> CostModel:
 
 @st.composite
 def workloads(draw: st.DrawFn) -> Workload:
-    n = draw(st.integers(1, 16))
+    n = draw(st.integers(1, 40))
     burst = draw(st.booleans())
     reqs = []
     for i in range(n):
@@ -53,8 +54,12 @@ def capacity(draw: st.DrawFn, need: int) -> int:
 @st.composite
 def clusters(draw: st.DrawFn, workload: Workload) -> ClusterConfig:
     need = max(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in workload.requests)
+    # a device of its own for each instance, or one that prefills and decodes (where a
+    # policy may pace prefill to the decode steps: `Policy.holds_prefill`)
+    devices = draw(st.sampled_from([{"prefill_devices": ("p0",), "decode_devices": ("d0",)},
+                                    {"prefill_devices": ("d0",), "decode_devices": ("d0",)}]))
     return ClusterConfig.create(
-        prefill_devices=("p0",), decode_devices=("d0",), block_size=BLOCK_SIZE,
+        **devices, block_size=BLOCK_SIZE,
         num_decode_blocks=capacity(draw, need), num_prefill_blocks=capacity(draw, need),
         num_staging_blocks=draw(st.sampled_from([1, need, 8 * need])),
         num_host_blocks=capacity(draw, need), max_prefill_tokens=CONTEXT,
@@ -87,3 +92,23 @@ def test_every_request_finishes_under_every_policy(data: st.DataObject, policy: 
     # simulated time advances with the work: the last decode ends after every token
     last = max((e.time for e in result.events), default=0.0)
     assert result.end_time >= last
+
+
+def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
+    """Seed 20's member 11 of the bench's family (225 requests, padded steps under the CPU
+    cost model, one device that prefills and decodes): evicted seqs coming back lifted
+    `aligned`'s prefill hold (`Policy.holds_prefill`) with no request starting, the
+    prefill slept, and the batcher waited for its prompts; 69 requests were never served
+    (the wiring now looks at the hold whenever the running seqs change)."""
+    from bench.family import sample_family
+    from benchmarks.test_bench_family import BLOCK_SIZE as FAMILY_BLOCK
+    from benchmarks.test_bench_family import MAX_LEN, cpu_cost, sizes
+
+    member = sample_family(24, 20, max_len=MAX_LEN)[11]
+    blocks = sum(-(-(r.prompt_len + r.output_len) // FAMILY_BLOCK)
+                 for r in member.workload.requests)
+    cluster = ClusterConfig.create(**sizes(member), num_host_blocks=2 * blocks)
+    result = simulate(member.workload, "aligned", cluster, cpu_cost("padded"),
+                      record_tokens=False)
+    assert result.num_finished == result.num_requests == 225
+    assert all(n == 0 for n in result.blocks_left.values())
