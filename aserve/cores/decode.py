@@ -76,7 +76,7 @@ class DecodeCore(Core):
                 self.current_batch_id = self.cand_batch_id
             moves = self._admit(plan.admit_requests, self.cand_requests, now)
             moves += self._admit(plan.admit_batch, self.cand_batch, now)
-            self.wiring.running_changed()
+            self.wiring.holds_may_change()
             self.ask_for_batch()
             if moves:
                 return moves
@@ -106,7 +106,7 @@ class DecodeCore(Core):
         moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
         moves += [m for i in plan.to_pool if (m := self._to_pool(by_id[i], now))]
         self._admissions = plan
-        self.wiring.running_changed()  # ended, evicted and returned seqs left it
+        self.wiring.holds_may_change()  # ended, evicted and returned seqs left it
         return moves
 
     def _needs_plan(self) -> bool:

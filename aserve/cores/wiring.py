@@ -30,7 +30,7 @@ class Wiring:
         self.prefills: list[Driver] = []  # drivers of PrefillCores
         self.batcher: Driver | None = None  # the BatcherCore's (disaggregated policies)
         self.decodes: list[Driver] = []  # drivers of DecodeCores, or of ColocatedCores
-        self._held: dict[int, bool] = {}  # id of a PrefillCore -> its hold, last looked at
+        self._held: dict[int, bool] = {}  # prefill instance -> its hold, last looked at
 
     @property
     def drivers(self) -> list[Driver]:
@@ -89,26 +89,26 @@ class Wiring:
         for prefill in self.prefills:
             if prefill.core.waiting:
                 prefill.wake()
-        self.running_changed()
+        self.holds_may_change()
 
-    def running_changed(self) -> None:
-        """The decode instances' running seqs, or the prefilled requests waiting for their
-        second token, changed: where that turns a prefill's hold (`Policy.holds_prefill`,
-        which weighs both) on or off, the prefill looks again, and so does the batcher,
-        whose policy may wait for the prompts a prefill that is not held brings
-        (`Policy.incoming`).
+    def holds_may_change(self) -> None:
+        """What a prefill's hold (`Policy.holds_prefill`) weighs may have changed: the
+        decode instances' running seqs (asked at each of their boundaries and admissions)
+        or the prefilled requests waiting for their second token (asked when one starts,
+        and seen at the next boundary when one is prefilled). Where the hold turned on or
+        off, the prefill looks again, and so does the batcher, whose policy may wait for
+        the prompts a prefill that is not held brings (`Policy.incoming`).
 
         NOTE: liveness. Seqs admitted to a decode instance that are not among the waiting
         requests (evicted ones coming back) lift a hold without any request starting; the
         prefill, asleep, never prefilled the prompts the batcher then waited for, and both
         waited for each other once the decode instance had drained."""
-        for prefill in self.prefills:
-            core = prefill.core
-            if not core.waiting:
+        for i, prefill in enumerate(self.prefills):
+            if not prefill.core.waiting:
                 continue
-            held = core.held()
-            if held != self._held.get(id(core)):
-                self._held[id(core)] = held
+            held = prefill.core.held()
+            if held != self._held.get(i):
+                self._held[i] = held
                 prefill.wake()
                 if self.batcher is not None:
                     self.batcher.wake()

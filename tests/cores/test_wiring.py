@@ -40,22 +40,22 @@ def wired(prefill: Prefill) -> tuple[Wiring, Driver, Driver]:
 def test_a_hold_lifted_by_admissions_wakes_the_prefill_and_the_batcher() -> None:
     prefill = Prefill(is_held=True)
     wiring, driver, batcher = wired(prefill)
-    wiring.running_changed()  # the first look
+    wiring.holds_may_change()  # the first look
     driver.wakes = batcher.wakes = 0
-    wiring.running_changed()
+    wiring.holds_may_change()
     assert driver.wakes == batcher.wakes == 0  # no change, no wake
     prefill.is_held = False  # evicted seqs came back: more run than wait to start
-    wiring.running_changed()
+    wiring.holds_may_change()
     assert driver.wakes == 1 and batcher.wakes == 1
     prefill.is_held = True  # the decode instance drained: the batcher stops waiting
-    wiring.running_changed()
+    wiring.holds_may_change()
     assert batcher.wakes == 2
 
 
 def test_a_request_starting_looks_at_the_hold_too() -> None:
     prefill = Prefill(is_held=True)
     wiring, driver, batcher = wired(prefill)
-    wiring.running_changed()
+    wiring.holds_may_change()
     batcher.wakes = 0
     prefill.is_held = False
     wiring.started()
@@ -65,5 +65,5 @@ def test_a_request_starting_looks_at_the_hold_too() -> None:
 def test_a_prefill_with_nothing_waiting_is_left_alone() -> None:
     prefill = Prefill(is_held=False, waiting=[])
     wiring, driver, batcher = wired(prefill)
-    wiring.running_changed()
+    wiring.holds_may_change()
     assert driver.wakes == batcher.wakes == 0
