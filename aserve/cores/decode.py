@@ -210,12 +210,20 @@ class DecodeCore(Core):
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
         """The next iteration: every running seq whose KV can grow. If none can, evicts the
-        longest running seq (moves to carry out, then a new boundary) or, with none
-        running, returns [] (wait for the batcher)."""
+        longest running seq (moves to carry out, then a new boundary; with no copy to make,
+        the next boundary at once) or, with none running, returns [] (wait for the
+        batcher)."""
         runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
             longest = max(self.running, key=lambda s: s.num_tokens, default=None)
-            return self._evict(longest, now) if longest else []
+            if longest is None:
+                return []
+            # NOTE: with the staging buffer and the host pool full, the evicted seq's KV is
+            # dropped, to be prefilled again: no copy lands to bring the next boundary, and
+            # returning none would leave the instance idle with its room freed and its
+            # candidates waiting (while the host pool, full, waits for them). So the next
+            # boundary is held now.
+            return self._evict(longest, now) or self.step(now) or []
         self._report_window(runnable)
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,23 +47,27 @@ def workloads(draw: st.DrawFn) -> Workload:
     return Workload("live", tuple(reqs))
 
 
-def capacity(draw: st.DrawFn, need: int) -> int:
-    """Blocks: from just the largest request to plenty."""
-    return draw(st.sampled_from([need, need + 2, 2 * need, 8 * need, 64 * need]))
+def capacity(draw: st.DrawFn, need: int, total: int) -> int:
+    """Blocks: from just the largest request (or a share of all requests' blocks, so that
+    the store fills while others wait on it) to plenty."""
+    return draw(st.sampled_from([need, need + 2, 2 * need, max(need, total // 4),
+                                 max(need, total // 2), 8 * need, 64 * need]))
 
 
 @st.composite
 def clusters(draw: st.DrawFn, workload: Workload) -> ClusterConfig:
-    need = max(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in workload.requests)
+    blocks = [-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in workload.requests]
+    need, total = max(blocks), sum(blocks)
     # a device of its own for each instance, or one that prefills and decodes (where a
     # policy may pace prefill to the decode steps: `Policy.holds_prefill`)
     devices = draw(st.sampled_from([{"prefill_devices": ("p0",), "decode_devices": ("d0",)},
                                     {"prefill_devices": ("d0",), "decode_devices": ("d0",)}]))
     return ClusterConfig.create(
         **devices, block_size=BLOCK_SIZE,
-        num_decode_blocks=capacity(draw, need), num_prefill_blocks=capacity(draw, need),
+        num_decode_blocks=capacity(draw, need, total),
+        num_prefill_blocks=capacity(draw, need, total),
         num_staging_blocks=draw(st.sampled_from([1, need, 8 * need])),
-        num_host_blocks=capacity(draw, need), max_prefill_tokens=CONTEXT,
+        num_host_blocks=capacity(draw, need, total), max_prefill_tokens=CONTEXT,
         max_batch_size=draw(st.sampled_from([1, 2, 8, 32])),
         min_requests=draw(st.sampled_from([1, 4])),
         starvation_threshold=draw(st.sampled_from([0.0, 0.01, 0.1, None])))
@@ -111,4 +116,30 @@ def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
     result = simulate(member.workload, "aligned", cluster, cpu_cost("padded"),
                       record_tokens=False)
     assert result.num_finished == result.num_requests == 225
+    assert all(n == 0 for n in result.blocks_left.values())
+
+
+# 14 prompts and outputs of up to 64 tokens: decode and prefill hold 11 blocks (the largest
+# request's 11), the staging buffer 1, the host pool 28 (a third of all requests' KV)
+FULL_STORES = ((116, 58), (96, 35), (16, 29), (110, 64), (68, 10), (111, 49), (68, 16),
+               (50, 64), (68, 41), (3, 44), (116, 9), (17, 35), (26, 55), (37, 58))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_seq_dropped_for_want_of_room_does_not_idle_the_instance(policy: str) -> None:
+    """With the staging buffer and the host pool full, a step whose running seqs cannot
+    grow drops the longest seq's KV (it is prefilled again); no copy lands after that to
+    bring the next boundary, and `aligned-strict` (whose switch had sent a seq back to
+    the full pool, so it stayed) left the decode instance idle with its room freed: 4 of
+    the 14 requests finished. The next boundary now follows at once."""
+    workload = Workload("full", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
+                                      for i, (p, o) in enumerate(FULL_STORES)))
+    config = ClusterConfig.create(
+        prefill_devices=("p0",), decode_devices=("d0",),
+        block_size=BLOCK_SIZE, num_decode_blocks=11, num_prefill_blocks=11,
+        num_staging_blocks=1, num_host_blocks=28, max_prefill_tokens=CONTEXT,
+        max_batch_size=32, min_requests=1, starvation_threshold=None)
+    result = simulate(workload, policy, config, cost_model("padded"), record_tokens=False,
+                      max_events=20_000)
+    assert result.num_finished == workload.num_requests
     assert all(n == 0 for n in result.blocks_left.values())
