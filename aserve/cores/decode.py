@@ -210,20 +210,26 @@ class DecodeCore(Core):
     # -- the iteration -------------------------------------------------------------------
     def forward(self, now: float) -> Forward | list[Move]:
         """The next iteration: every running seq whose KV can grow. If none can, evicts the
-        longest running seq (moves to carry out, then a new boundary; with no copy to make,
-        the next boundary at once) or, with none running, returns [] (wait for the
+        longest running seq (moves to carry out, then a new boundary; a seq whose KV was
+        dropped frees its room at once) or, with none running, returns [] (wait for the
         batcher)."""
         runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
+        dropped = False
+        while not runnable and self.running:
+            longest = max(self.running, key=lambda s: s.num_tokens)
+            moves = self._evict(longest, now)
+            if moves:
+                return moves
+            # NOTE: with the staging buffer and the host pool full, the evicted seq's KV
+            # was dropped, to be prefilled again, and no copy will land to bring the next
+            # boundary. So the iteration goes on here, on the room it freed; with no seq
+            # left, the next boundary admits the candidates now. Returning none instead
+            # left the instance idle with its candidates staged, while the full host pool
+            # waited on them.
+            dropped = True
+            runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
-            longest = max(self.running, key=lambda s: s.num_tokens, default=None)
-            if longest is None:
-                return []
-            # NOTE: with the staging buffer and the host pool full, the evicted seq's KV is
-            # dropped, to be prefilled again: no copy lands to bring the next boundary, and
-            # returning none would leave the instance idle with its room freed and its
-            # candidates waiting (while the host pool, full, waits for them). So the next
-            # boundary is held now.
-            return self._evict(longest, now) or self.step(now) or []
+            return (self.step(now) or []) if dropped else []
         self._report_window(runnable)
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)

@@ -120,7 +120,7 @@ def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
 
 
 # 14 prompts and outputs of up to 64 tokens: decode and prefill hold 11 blocks (the largest
-# request's 11), the staging buffer 1, the host pool 28 (a third of all requests' KV)
+# request's 11), the staging buffer 1, the host pool 28 (29 % of all requests' blocks)
 FULL_STORES = ((116, 58), (96, 35), (16, 29), (110, 64), (68, 10), (111, 49), (68, 16),
                (50, 64), (68, 41), (3, 44), (116, 9), (17, 35), (26, 55), (37, 58))
 
@@ -130,8 +130,8 @@ def test_a_seq_dropped_for_want_of_room_does_not_idle_the_instance(policy: str) 
     """With the staging buffer and the host pool full, a step whose running seqs cannot
     grow drops the longest seq's KV (it is prefilled again); no copy lands after that to
     bring the next boundary, and `aligned-strict` (whose switch had sent a seq back to
-    the full pool, so it stayed) left the decode instance idle with its room freed: 4 of
-    the 14 requests finished. The next boundary now follows at once."""
+    the full pool, so it stayed) left the decode instance idle with its room freed, and 4
+    of the 14 requests finished. The step goes on with the room the dropped seq freed."""
     workload = Workload("full", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
                                       for i, (p, o) in enumerate(FULL_STORES)))
     config = ClusterConfig.create(
