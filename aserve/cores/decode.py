@@ -72,7 +72,7 @@ class DecodeCore(Core):
         for a batch."""
         if (plan := self._admissions) is not None:
             self._admissions = None
-            if plan.admit_batch:
+            if not {s.seq_id for s in self.cand_batch}.isdisjoint(plan.admit_batch):
                 self.current_batch_id = self.cand_batch_id
             moves = self._admit(plan.admit_requests, self.cand_requests, now)
             moves += self._admit(plan.admit_batch, self.cand_batch, now)
@@ -175,7 +175,9 @@ class DecodeCore(Core):
         by_id = {seq.seq_id: seq for seq in buffer}
         moves = []
         for seq_id in seq_ids:
-            seq = by_id[seq_id]
+            seq = by_id.get(seq_id)
+            if seq is None:
+                continue  # ended by an abort while the boundary's moves were in flight
             move = self.life.reserve(seq, self.name, at=now)
             if move is None and not seq.is_finished:
                 continue  # no room after all; it stays in its buffer

@@ -125,6 +125,17 @@ FULL_STORES = ((116, 58), (96, 35), (16, 29), (110, 64), (68, 10), (111, 49), (6
                (50, 64), (68, 41), (3, 44), (116, 9), (17, 35), (26, 55), (37, 58))
 
 
+def full_stores(**sizes: int) -> tuple[Workload, ClusterConfig]:
+    """`FULL_STORES` at once, on a prefill and a decode device of their own, the decode
+    device, staging buffer and host pool of ``sizes`` blocks."""
+    workload = Workload("full", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
+                                      for i, (p, o) in enumerate(FULL_STORES)))
+    return workload, ClusterConfig.create(
+        prefill_devices=("p0",), decode_devices=("d0",), block_size=BLOCK_SIZE,
+        num_prefill_blocks=11, max_prefill_tokens=CONTEXT, max_batch_size=32,
+        min_requests=1, starvation_threshold=None, **sizes)
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_seq_dropped_for_want_of_room_does_not_idle_the_instance(policy: str) -> None:
     """With the staging buffer and the host pool full, a step whose running seqs cannot
@@ -132,14 +143,47 @@ def test_a_seq_dropped_for_want_of_room_does_not_idle_the_instance(policy: str) 
     bring the next boundary, and `aligned-strict` (whose switch had sent a seq back to
     the full pool, so it stayed) left the decode instance idle with its room freed, and 4
     of the 14 requests finished. The step goes on with the room the dropped seq freed."""
-    workload = Workload("full", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
-                                      for i, (p, o) in enumerate(FULL_STORES)))
-    config = ClusterConfig.create(
-        prefill_devices=("p0",), decode_devices=("d0",),
-        block_size=BLOCK_SIZE, num_decode_blocks=11, num_prefill_blocks=11,
-        num_staging_blocks=1, num_host_blocks=28, max_prefill_tokens=CONTEXT,
-        max_batch_size=32, min_requests=1, starvation_threshold=None)
+    workload, config = full_stores(num_decode_blocks=11, num_staging_blocks=1,
+                                   num_host_blocks=28)
     result = simulate(workload, policy, config, cost_model("padded"), record_tokens=False,
                       max_events=20_000)
     assert result.num_finished == workload.num_requests
     assert all(n == 0 for n in result.blocks_left.values())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_abort_while_a_boundary_copies_ends_that_request_alone(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A boundary plans its admissions, then copies seqs out of the running batch (a
+    switch's returns to the pool, evictions); an abort that lands meanwhile ends a staged
+    candidate the plan admits. The admissions then skip it: before, the instance failed on
+    the missing seq (KeyError), and with it every request it held. The abort is made to
+    land at the first such boundary of the run; `aligned-strict` makes one here."""
+    from aserve.cores.decode import DecodeCore
+
+    aborted: list[str] = []
+    boundary = DecodeCore.boundary
+
+    def racing_boundary(self: DecodeCore, now: float) -> list:  # type: ignore[type-arg]
+        moves = boundary(self, now)
+        plan = self._admissions
+        if moves and plan is not None and not aborted:
+            for seq_id in (*plan.admit_batch, *plan.admit_requests)[:1]:
+                aborted.append(seq_id)
+                self.life.abort(seq_id)
+                self.reap(now)
+        return moves
+
+    monkeypatch.setattr(DecodeCore, "boundary", racing_boundary)
+    workload, config = full_stores(num_decode_blocks=22, num_staging_blocks=11,
+                                   num_host_blocks=97)
+    result = simulate(workload, policy, config, cost_model("padded"), max_events=20_000)
+    assert bool(aborted) or policy != "aligned-strict", "the race did not happen"
+    assert result.num_finished == workload.num_requests
+    assert all(n == 0 for n in result.blocks_left.values())
+    tokens = Counter(e.seq_id for e in result.events if e.kind == "token")
+    outputs = {f"r{i}": o for i, (_, o) in enumerate(FULL_STORES)}
+    for seq_id in aborted:
+        assert 1 + tokens[seq_id] < outputs[seq_id]  # it ended early, the others did not
+    assert all(1 + tokens[r.request_id] == r.output_len
+               for r in workload.requests if r.request_id not in aborted)
