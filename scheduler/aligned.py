@@ -203,7 +203,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         if wait and fits:
             return []  # any request on its way could join the pool's batch
         batch = self._cheapest_cut(root.requests(), max_blocks, max_requests)
-        if wait and min(self.incoming) < max(self._lengths(batch)):
+        if wait and batch and min(self.incoming) < max(self._lengths(batch)):
             return []  # a shorter request on its way could join the batch
         return batch
 

@@ -46,6 +46,20 @@ def test_it_does_not_wait_for_longer_requests_once_its_batch_is_cut() -> None:
     assert sorted(policy.next_batch(10, 64, 0.0)) == ["s0", "s1"]
 
 
+def test_a_pool_with_no_request_that_fits_gives_no_batch_while_more_is_coming() -> None:
+    """Room for 2 blocks (the staging buffer nearly full, say), pooled requests of 3 and 4:
+    the cut has no batch, and none is formed (the shorter request on its way was compared
+    with the empty batch's longest, and the batcher failed)."""
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), padded)
+    for i, length in enumerate((40, 50)):
+        policy.add(SeqView(f"s{i}", length, -(-length // 16), 0.0))
+    policy.incoming = [45]
+    assert policy.next_batch(2, 64, 0.0) == []
+    policy.incoming = []
+    assert policy.next_batch(2, 64, 0.0) == []
+    assert sorted(policy.next_batch(7, 64, 0.0)) == ["s0", "s1"]
+
+
 def test_it_does_not_wait_where_a_step_costs_its_total_work() -> None:
     policy = pooled(lambda lengths: 1e-6 * (4096 + sum(lengths)))  # paged, split-K
     policy.incoming = [10] * 5
