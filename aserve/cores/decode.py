@@ -104,7 +104,16 @@ class DecodeCore(Core):
         plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
         by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
         moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
-        moves += [m for i in plan.to_pool if (m := self._to_pool(by_id[i], now))]
+        for seq_id in plan.to_pool:
+            seq = by_id[seq_id]
+            if move := self._to_pool(seq, now):
+                moves.append(move)
+            elif seq in self.running:
+                # NOTE: the host pool has no room for it, and the plan's admissions count
+                # on the room it leaves: kept running, they filled the room the running
+                # seqs grow into, the step evicted one, the next boundary planned the same,
+                # and no token came (a livelock). So it leaves as an evicted seq would.
+                moves += self._evict(seq, now)
         self._admissions = plan
         self.wiring.holds_may_change()  # ended, evicted and returned seqs left it
         return moves

@@ -7,7 +7,9 @@ livelock would spin forever). And one workload of the bench's family that once s
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -187,3 +189,23 @@ def test_an_abort_while_a_boundary_copies_ends_that_request_alone(
         assert 1 + tokens[seq_id] < outputs[seq_id]  # it ended early, the others did not
     assert all(1 + tokens[r.request_id] == r.output_len
                for r in workload.requests if r.request_id not in aborted)
+
+
+def test_a_return_the_full_host_pool_cannot_take_does_not_livelock() -> None:
+    """A case the liveness hunt found (tests/data/liveness_full_pool_aborts.json): the host
+    pool full, `aligned-strict`'s batch switch returns running seqs to it and admits the
+    candidate batch in the room they leave. The pool could not take them, so they stayed;
+    the admissions filled the room the running seqs grow into, the step evicted one, and
+    the next boundary planned the same, with no token between (30 of 120 requests ended
+    within the event cap). Such a seq now leaves as an evicted one would."""
+    case = json.loads((Path(__file__).parent.parent / "data"
+                       / "liveness_full_pool_aborts.json").read_text())
+    workload = Workload("full-pool", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
+                                           for i, (p, o) in enumerate(case["requests"])))
+    config = ClusterConfig.create(prefill_devices=("p0",), decode_devices=("d0",),
+                                  block_size=BLOCK_SIZE, starvation_threshold=None,
+                                  **case["cluster"])
+    result = simulate(workload, "aligned-strict", config, cost_model("padded"),
+                      record_tokens=False, aborts=case["aborts"], max_events=100_000)
+    assert result.num_finished == workload.num_requests
+    assert all(n == 0 for n in result.blocks_left.values())
