@@ -110,9 +110,10 @@ class DecodeCore(Core):
                 moves.append(move)
             elif seq in self.running:
                 # NOTE: the host pool has no room for it, and the plan's admissions count
-                # on the room it leaves: kept running, they filled the room the running
-                # seqs grow into, the step evicted one, the next boundary planned the same,
-                # and no token came (a livelock). So it leaves as an evicted seq would.
+                # on the room it leaves: kept running, they would take the room the running
+                # seqs grow into, the step would evict one, and the next boundary could plan
+                # the same, with no token between (a livelock). So it leaves as an evicted
+                # seq would.
                 moves += self._evict(seq, now)
         self._admissions = plan
         self.wiring.holds_may_change()  # ended, evicted and returned seqs left it
@@ -234,9 +235,9 @@ class DecodeCore(Core):
             # NOTE: with the staging buffer and the host pool full, the evicted seq's KV
             # was dropped, to be prefilled again, and no copy will land to bring the next
             # boundary. So the iteration goes on here, on the room it freed; with no seq
-            # left, the next boundary admits the candidates now. Returning none instead
-            # left the instance idle with its candidates staged, while the full host pool
-            # waited on them.
+            # left, the next boundary admits the candidates now. Returning none would
+            # leave the instance idle with its candidates staged, while the full host pool
+            # waits on them.
             dropped = True
             runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
