@@ -106,7 +106,7 @@ def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
     cost model, one device that prefills and decodes): evicted seqs coming back lifted
     `aligned`'s prefill hold (`Policy.holds_prefill`) with no request starting, the
     prefill slept, and the batcher waited for its prompts; 69 requests were never served
-    (the wiring now looks at the hold whenever the running seqs change)."""
+    (the wiring looks at the hold whenever the running seqs change)."""
     from bench.family import sample_family
     from benchmarks.test_bench_family import BLOCK_SIZE as FAMILY_BLOCK
     from benchmarks.test_bench_family import MAX_LEN, cpu_cost, sizes
@@ -197,7 +197,7 @@ def test_a_return_the_full_host_pool_cannot_take_does_not_livelock() -> None:
     candidate batch in the room they leave. The pool could not take them, so they stayed;
     the admissions filled the room the running seqs grow into, the step evicted one, and
     the next boundary planned the same, with no token between (30 of 120 requests ended
-    within the event cap). Such a seq now leaves as an evicted one would."""
+    within the event cap). Such a seq leaves as an evicted one would."""
     case = json.loads((Path(__file__).parent.parent / "data"
                        / "liveness_full_pool_aborts.json").read_text())
     workload = Workload("full-pool", tuple(WorkloadRequest(f"r{i}", p, o, 0.0)
