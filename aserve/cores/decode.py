@@ -104,17 +104,7 @@ class DecodeCore(Core):
         plan = self.policy.plan_boundary(self.view(now)) if self._needs_plan() else BoundaryPlan()
         by_id = {s.seq_id: s for s in (*self.running, *self.cand_requests)}
         moves = [m for i in plan.evict for m in self._evict(by_id[i], now)]
-        for seq_id in plan.to_pool:
-            seq = by_id[seq_id]
-            if move := self._to_pool(seq, now):
-                moves.append(move)
-            elif seq in self.running:
-                # NOTE: the host pool has no room for it, and the plan's admissions count
-                # on the room it leaves: kept running, they would take the room the running
-                # seqs grow into, the step would evict one, and the next boundary could plan
-                # the same, with no token between (a livelock). So it leaves as an evicted
-                # seq would.
-                moves += self._evict(seq, now)
+        moves += [m for i in plan.to_pool for m in self._to_pool(by_id[i], now)]
         self._admissions = plan
         self.wiring.holds_may_change()  # ended, evicted and returned seqs left it
         return moves
@@ -159,15 +149,20 @@ class DecodeCore(Core):
         no room for yet stay staged."""
         self.cand_requests.extend(self.cand_batch)
         self.cand_batch = []
-        return [move for seq in list(self.cand_requests) if (move := self._to_pool(seq, now))]
+        return [move for seq in list(self.cand_requests) for move in self._to_pool(seq, now)]
 
-    def _to_pool(self, seq: SeqState, now: float) -> Move | None:
+    def _to_pool(self, seq: SeqState, now: float) -> list[Move]:
         """A running seq or a candidate request -> host pool, to be batched again. If the
-        pool has no room it stays where it is."""
+        pool has no room, a candidate request stays where it is and a running seq leaves
+        as an evicted one would."""
         never_staged = seq.location == "host"  # a candidate request: no copy
         move = None if never_staged else self.life.reserve(seq, "host", at=now)
         if move is None and not never_staged and not seq.is_finished:
-            return None
+            # NOTE: the boundary plan's admissions count on the room a running seq leaves:
+            # kept running, they would take the room the running seqs grow into, the step
+            # would evict one, and the next boundary could plan the same, with no token
+            # between (a livelock).
+            return self._evict(seq, now) if seq in self.running else []
         seq.num_returns += 1
         if seq in self.running:
             self.running.remove(seq)
@@ -176,7 +171,7 @@ class DecodeCore(Core):
             self.cand_requests.remove(seq)
         if never_staged:
             self.wiring.to_batcher(Pooled(seq))
-        return move
+        return [move] if move else []
 
     def _admit(self, seq_ids: tuple[str, ...], buffer: list[SeqState],
                now: float) -> list[Move]:
