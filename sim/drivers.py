@@ -207,12 +207,17 @@ class StepQueue:
             return
         self.waiting.append((instance, step))
         if len(self.waiting) == 1:  # the first waiting: start them once the device is free
-            self.ctx.loop.at(max(self.ctx.loop.now, self.device.busy_until), self._start)
+            self.ctx.loop.at(max(self.ctx.loop.now, self.device.busy_until), self._start,
+                             settled=True)
 
     def _start(self) -> None:
+        """Runs the waiting steps as one forward, once the device is free and the instant
+        has settled: the instances that the last forward's end woke (a decode instance
+        handed the prompts it prefilled, say) submit their steps in that same instant, as
+        the engine's queue yields once before a forward so that they can."""
         loop = self.ctx.loop
         if self.device.busy_until > loop.now:  # a copy booked the device meanwhile
-            loop.at(self.device.busy_until, self._start)
+            loop.at(self.device.busy_until, self._start, settled=True)
             return
         waiting, self.waiting = self.waiting, []
         self._run(waiting)

@@ -3,7 +3,8 @@ and links.
 
 Pure bookkeeping on a simulated clock; no scheduling (that is `aserve.cores` and
 `scheduler/`), no costs (that is `scheduler.cost_model`). Events at the same time run in
-the order they were scheduled.
+the order they were scheduled, except those scheduled to run once the instant has settled
+(`settled`), which run after every other event of their time.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ Callback = Callable[[], None]
 
 
 class EventLoop:
-    """A simulated clock and a heap of callbacks ordered by (time, scheduling order)."""
+    """A simulated clock and a heap of callbacks ordered by (time, settled last,
+    scheduling order)."""
 
     def __init__(self) -> None:
         self.now = 0.0  # simulated seconds
         self.num_events = 0  # callbacks run so far
-        self._heap: list[tuple[float, int, Callback]] = []
+        self._heap: list[tuple[float, bool, int, Callback]] = []
         self._counter = itertools.count()
 
-    def at(self, time: float, callback: Callback) -> None:
-        """Runs `callback` at `time`. Raises ValueError for a time in the past."""
+    def at(self, time: float, callback: Callback, settled: bool = False) -> None:
+        """Runs `callback` at `time`; with `settled`, after every other callback due then
+        (those scheduled meanwhile included). Raises ValueError for a time in the past."""
         if time < self.now:
             raise ValueError(f"time ({time}) must be >= now ({self.now})")
-        heapq.heappush(self._heap, (time, next(self._counter), callback))
+        heapq.heappush(self._heap, (time, settled, next(self._counter), callback))
 
     def soon(self, callback: Callback) -> None:
         """Runs `callback` at the current time, after what is already due now."""
@@ -40,7 +43,7 @@ class EventLoop:
         heap = self._heap
         cap = float("inf") if max_events is None else max_events
         while heap and heap[0][0] <= until and self.num_events < cap:
-            time, _, callback = heapq.heappop(heap)
+            time, _, _, callback = heapq.heappop(heap)
             self.now = time
             self.num_events += 1
             callback()

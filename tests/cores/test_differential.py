@@ -197,6 +197,39 @@ def test_fused_steps_run_the_same_on_both_drivers(policy: str) -> None:
     assert {name for name, _ in sim_fused} <= {"prefill0", "decode0"}
 
 
+@pytest.mark.parametrize("policy", ["aligned", "fcfs"])
+def test_a_step_woken_by_a_forwards_end_joins_the_next_forward(policy: str) -> None:
+    """Two prompts, room to prefill one at a time, steps fused on one device: when the first
+    prefill ends, the prefill instance submits the second prompt and the decode instance,
+    handed the first one in that instant, its first step; the engine's queue yields once
+    before a forward, so both run as one, and the simulator runs them as one too (a
+    forward started on the first submission would leave the first seq's second token
+    waiting for a prefill alone, as on a CPU it did for a whole prefill step)."""
+    load = Workload("two", (WorkloadRequest("a", 40, 4, 0.001),
+                            WorkloadRequest("b", 40, 4, 0.001)))
+    config = EngineConfig.create(model="opt-tiny", policy=policy, num_decode_blocks=48,
+                                 num_prefill_blocks=3, num_staging_blocks=64,
+                                 host_pool_gb=0.002, min_requests=1, max_batch_size=16,
+                                 fuse_steps=True, trace_limit=None)
+    cost = cost_model()
+    probe = SimContext(ClusterConfig.from_engine(config, 1), cost,
+                       get_policy(policy, PolicyConfig.of(SchedulerConfig(), 4096)))
+    engine = run_on_virtual_clock(config, cost, probe, load=load, aborts={})
+    host_blocks = engine.ctx.kv.allocators["host"].num_blocks  # type: ignore[union-attr]
+    result = simulate(load, policy, ClusterConfig.from_engine(config, host_blocks), cost)
+
+    def steps(records) -> list[tuple[str, int, bool]]:  # type: ignore[no-untyped-def]
+        return [(r.instance, r.batch_size, r.fused)
+                for r in sorted(records, key=lambda r: (r.start_time, r.instance))]
+
+    engine_steps = steps([*engine.iterations, *engine.prefill_iterations])
+    assert engine_steps[:3] == [("prefill0", 1, False), ("decode0", 1, True),
+                                ("prefill0", 1, True)]
+    assert steps([*result.iterations, *result.prefill_iterations]) == engine_steps
+    assert [e.time for e in result.events] == pytest.approx(
+        [e.time for e in engine.events], abs=TOLERANCE)
+
+
 # NOTE: all stores are on one device here, so by default every move is a hand-over that
 # lands at once; with a tensor per store each move is a copy that takes link time
 @pytest.mark.parametrize("policy,headroom,share", [(p, None, True) for p in POLICIES]

@@ -37,6 +37,24 @@ def test_soon_runs_after_what_is_already_due_now() -> None:
     assert seen == ["a", "b", "soon"]
 
 
+def test_a_settled_callback_runs_after_all_else_due_then() -> None:
+    """What the callbacks due at its time schedule for that time runs first too; a later
+    time's callbacks still wait for it."""
+    loop = EventLoop()
+    seen: list[str] = []
+
+    def first() -> None:
+        seen.append("a")
+        loop.soon(partial(seen.append, "woken"))
+
+    loop.at(1.0, partial(seen.append, "settled"), settled=True)
+    loop.at(1.0, first)
+    loop.at(1.0, partial(seen.append, "b"))
+    loop.at(2.0, partial(seen.append, "later"))
+    loop.run()
+    assert seen == ["a", "b", "woken", "settled", "later"]
+
+
 def test_scheduling_in_the_past_is_refused() -> None:
     loop = EventLoop()
     loop.at(3.0, lambda: None)
