@@ -22,8 +22,6 @@ from scheduler.batching import (
     BoundaryView,
     SeqView,
     by_arrival,
-    by_output,
-    by_output_desc,
     ceil_div,
     growth,
     oldest_wait,
@@ -316,9 +314,9 @@ class AlignedPolicy(AlignedStrictPolicy):
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
         """Starving seqs first, strictly in arrival order (as ``aligned-strict``); short of
         room, evict the old batch's longest, then the current batch's. Where grouping cannot
-        pay (``alignment_pays`` over the pool and the lengths at hand), the seqs with the most
-        output left run first (``_plan_by_output_left``: evict the seqs with the most tokens
-        generated first, admit those with the fewest first, past one that does not fit yet).
+        pay (``alignment_pays`` over the pool and the lengths at hand), arrival order
+        (``_plan_in_arrival_order``: evict the latest arrivals first, admit the oldest first,
+        past one that does not fit yet).
         Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first
         (``_stalled``: while later arrivals came, or within the running seqs' lengths),
         strictly in the order they stalled (nothing else joins until they do). Otherwise,
@@ -351,7 +349,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         running = [s.length for s in view.running]
         if not self.alignment_pays([*running, *(s.length for s in (
                 *view.candidate_requests, *view.candidate_batch))]):
-            return self._plan_by_output_left(view)
+            return self._plan_in_arrival_order(view)
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
@@ -414,32 +412,26 @@ class AlignedPolicy(AlignedStrictPolicy):
                 <= self._time(now) + self._time([*part, *rest]))
 
     @staticmethod
-    def _plan_by_output_left(view: BoundaryView) -> BoundaryPlan:
-        """The boundary where grouping cannot pay: short of room, evict the seqs with the
-        most tokens generated first; otherwise admit the candidates (requests and batch
-        together) with the fewest generated first (among equals the largest, ``by_output``),
+    def _plan_in_arrival_order(view: BoundaryView) -> BoundaryPlan:
+        """The boundary where grouping cannot pay: short of room, evict the latest arrivals
+        first; otherwise admit the candidates (requests and batch together) oldest first,
         past one that does not fit yet.
 
         NOTE: where a step costs its total work, every schedule reads the same KV, and what
-        it pays beyond that is a step's fixed part per step: the run's length in steps. While
-        a backlog keeps the blocks full, the order of the seqs does not change it; the tail
-        does, once the last seq admitted decodes what it has left with the blocks half empty.
-        A policy does not know outputs, but the fewer tokens a seq has generated, the more it
-        has left, so the seqs with the most output left (fresh ones first) run first and
-        those nearly done wait; a wait then also falls on the seq that spreads it over the
-        most tokens (TPOT). By length (evict the longest, admit the closest in length first,
-        ``aligned-loose``'s rules), the long prompts were evicted again and again, and a
-        fresh one among them, passed by evicted seqs at every boundary, decoded its whole
-        output alone at the end. Admission still passes a seq that does not fit yet, so the
-        batch stays as wide as the blocks allow; among seqs with as many tokens generated the
-        largest goes first, as in first-fit-decreasing packing: small seqs fill the room a
-        large one leaves, while a large one passed over waits for a hole its size and then
-        decodes with the blocks half empty at the end."""
-        evict = plan_evictions(view, lambda: by_output_desc(view.running))
+        it pays beyond that is a step's fixed part per step. Arrival order bounds every
+        wait: an evicted seq is older than the fresh ones behind it and goes back in first.
+        Serving the most output left first instead (evict the seqs with the most tokens
+        generated, admit the fewest generated first) saves some of a backlog's tail, but an
+        evicted seq then waits behind every fresh seq of the backlog, and each such wait
+        falls on a few tokens, so P99 TPOT rose well above fcfs's on most of the split-K
+        family (docs/results-policy.md). Admission
+        passes a seq that does not fit yet, unlike fcfs's, so the batch stays as wide as
+        the blocks allow."""
+        evict = plan_evictions(view, lambda: by_arrival(view.running)[::-1])
         if evict:
             return BoundaryPlan(evict=evict)
-        plan = plan_admissions(view, (), by_output((*view.candidate_requests,
-                                                    *view.candidate_batch)), is_strict=False)
+        plan = plan_admissions(view, (), by_arrival((*view.candidate_requests,
+                                                     *view.candidate_batch)), is_strict=False)
         requests = {s.seq_id for s in view.candidate_requests}
         return BoundaryPlan(
             admit_requests=tuple(i for i in plan.admit_batch if i in requests),

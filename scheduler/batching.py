@@ -122,21 +122,6 @@ def by_arrival(seqs: Iterable[SeqView]) -> list[SeqView]:
     return sorted(sorted(seqs, key=BY_ID), key=BY_ARRIVAL)
 
 
-def by_output_desc(seqs: Iterable[SeqView]) -> list[SeqView]:
-    """Most tokens generated first (the least output left, for all a policy knows); among
-    equal counts the shortest first (it fits back into the least room), then the latest
-    arrival, then by id."""
-    return sorted(seqs, key=lambda s: (-s.num_output_tokens, s.length, -s.arrival_time,
-                                       s.seq_id))
-
-
-def by_output(seqs: Iterable[SeqView]) -> list[SeqView]:
-    """Fewest tokens generated first (the most output left, for all a policy knows); among
-    equal counts the most blocks first (a large seq fits only into room that small ones
-    have not taken yet; small ones fill what is left), then oldest, then by id."""
-    return sorted(by_arrival(seqs), key=lambda s: (s.num_output_tokens, -s.num_blocks))
-
-
 def by_distance(seqs: Iterable[SeqView], reference: float) -> list[SeqView]:
     """Closest length to ``reference`` first; ties: oldest first."""
     return sorted(seqs, key=lambda s: (abs(s.length - reference), s.arrival_time, s.seq_id))

@@ -134,45 +134,30 @@ def test_aligned_keeps_the_batch_wide_where_a_step_costs_its_total_work() -> Non
         "late",)
 
 
-def test_aligned_runs_the_most_output_left_first_where_a_step_costs_its_total_work() -> None:
-    """Under a total-work cost the run's length in steps is set by its tail: the seqs
-    with the most output left (the fewest tokens generated) run first, and those nearly
-    done wait. The victim is the seq with the most tokens generated, not the longest; a
-    fresh candidate-batch seq goes before an evicted seq of the running batch's length."""
+def test_aligned_serves_arrival_order_where_a_step_costs_its_total_work() -> None:
+    """Under a total-work cost grouping cannot pay: the victim is the latest arrival, not
+    the longest seq nor the one with the most tokens generated, and an evicted seq goes
+    back in before the fresh seqs that arrived after it (its wait stays bounded), while a
+    seq that does not fit yet is passed."""
     def out(seq_view: SeqView, generated: int) -> SeqView:
         return replace(seq_view, num_output_tokens=generated)
 
     total_work = get_policy("aligned", PolicyConfig())
-    running = [out(seq("long-fresh", 65), 2), out(seq("short-done", 17), 40),
-               out(seq("mid", 33), 10)]  # each needs one more block
-    assert total_work.plan_boundary(view(running, 2)).evict == ("short-done",)
+    running = [out(seq("long-early", 65, arrival=1.0), 2),
+               out(seq("short-done", 17, arrival=2.0), 40),
+               out(seq("mid-late", 33, arrival=3.0), 10)]  # each needs one more block
+    assert total_work.plan_boundary(view(running, 2)).evict == ("mid-late",)
     running = [out(seq("r1", 100, 7), 20), out(seq("r2", 110, 7), 20)]  # no growth
-    evicted = out(seq("evicted", 105, 7), 60)  # the running batch's length, nearly done
-    fresh = out(seq("fresh", 400, 26), 1)  # a long prompt, its whole output left
-    got = total_work.plan_boundary(view(running, 26, requests=(evicted,), batch=(fresh,)))
+    evicted = out(seq("evicted", 105, 7, arrival=1.0), 60)
+    fresh = out(seq("fresh", 60, 4, arrival=2.0, batch_id=CURRENT + 1), 1)
+    got = total_work.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_requests=("evicted",))
+    # the evicted seq does not fit yet: the fresh one passes it
+    got = total_work.plan_boundary(view(running, 6, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_batch=("fresh",))
     # with room for both, both go in
     got = total_work.plan_boundary(view(running, 40, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
-
-
-def test_aligned_fits_the_largest_of_equal_output_left_first_under_total_work() -> None:
-    """Among candidates with as many tokens generated, the one with the most blocks goes
-    first: a small seq fits the room a large one leaves later, a large one does not fit
-    the room small ones leave (it then waits for a hole its size, and decodes its output
-    with the blocks half empty at the end)."""
-    def out(seq_view: SeqView, generated: int) -> SeqView:
-        return replace(seq_view, num_output_tokens=generated)
-
-    total_work = get_policy("aligned", PolicyConfig())
-    small = out(seq("small", 60, 4, arrival=1.0), 1)  # older
-    large = out(seq("large", 700, 44, arrival=2.0), 1)
-    running = [out(seq("r", 100, 7), 3)]
-    assert total_work.plan_boundary(view(running, 47, batch=(small, large))) == BoundaryPlan(
-        admit_batch=("large",))
-    # fewer tokens generated still go first, whatever their size
-    assert total_work.plan_boundary(
-        view(running, 47, batch=(small, out(large, 2)))) == BoundaryPlan(admit_batch=("small",))
 
 
 def test_aligned_admits_part_of_a_candidate_batch_only_where_the_part_pays() -> None:

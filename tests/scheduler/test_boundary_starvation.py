@@ -40,9 +40,9 @@ def test_without_starvation_candidate_requests_go_first_where_grouping_pays() ->
 
 def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> None:
     """Under a total-work step cost (the default, as paged attention's on a CPU) the
-    boundary admits the seqs with the most output left first (the fewest tokens generated),
-    past one that does not fit yet: the candidate request with the fewer tokens first, the
-    older candidate batch as room allows; once it starves it goes first."""
+    boundary admits in arrival order, past one that does not fit yet: the older candidate
+    batch before the candidate request that arrived later, and the request only where the
+    batch does not fit."""
     def fresher(free_blocks: int) -> BoundaryView:
         return dataclasses.replace(
             view(now=10.0), free_blocks=free_blocks,
@@ -50,15 +50,13 @@ def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> No
             candidate_batch=(SeqView("long", 60, 4, arrival_time=0.0, batch_id=2,
                                      num_output_tokens=2),))
 
-    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
-        fresher(6))
-    assert plan.admit_requests == ("m0",) and plan.admit_batch == ()  # 3 + 4 > 6 blocks
-    plan = get_policy("aligned", PolicyConfig(starvation_threshold=None)).plan_boundary(
-        fresher(16))
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None))
+    plan = policy.plan_boundary(fresher(6))
+    assert plan.admit_batch == ("long",) and plan.admit_requests == ()  # 4 + 3 > 6 blocks
+    plan = policy.plan_boundary(fresher(16))
     assert plan.admit_batch == ("long",) and plan.admit_requests == ("m0",)
-    plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(
-        fresher(6))
-    assert plan.admit_batch == ("long",) and plan.admit_requests == ()
+    plan = policy.plan_boundary(fresher(3))
+    assert plan.admit_batch == () and plan.admit_requests == ("m0",)
 
 
 def test_starving_evicted_request_goes_before_closer_candidate_requests() -> None:
