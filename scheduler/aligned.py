@@ -424,9 +424,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         generated, admit the fewest generated first) saves some of a backlog's tail, but an
         evicted seq then waits behind every fresh seq of the backlog, and each such wait
         falls on a few tokens, so P99 TPOT rose well above fcfs's on most of the split-K
-        family (docs/results-policy.md). Admission
-        passes a seq that does not fit yet, unlike fcfs's, so the batch stays as wide as
-        the blocks allow."""
+        family (docs/results-policy.md). Admission passes a seq that does not fit yet,
+        unlike fcfs's, so the batch stays as wide as the blocks allow."""
         evict = plan_evictions(view, lambda: by_arrival(view.running)[::-1])
         if evict:
             return BoundaryPlan(evict=evict)
