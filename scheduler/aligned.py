@@ -26,6 +26,7 @@ from scheduler.batching import (
     growth,
     oldest_wait,
     plan_admissions,
+    plan_boundary_with,
     plan_evictions,
     take_in_order,
 )
@@ -426,11 +427,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         falls on a few tokens, so P99 TPOT rose well above fcfs's on most of the split-K
         family (docs/results-policy.md). Admission passes a seq that does not fit yet,
         unlike fcfs's, so the batch stays as wide as the blocks allow."""
-        evict = plan_evictions(view, lambda: by_arrival(view.running)[::-1])
-        if evict:
-            return BoundaryPlan(evict=evict)
-        plan = plan_admissions(view, (), by_arrival((*view.candidate_requests,
-                                                     *view.candidate_batch)), is_strict=False)
+        plan = plan_boundary_with(view, lambda: by_arrival(view.running)[::-1], (),
+                                  by_arrival((*view.candidate_requests,
+                                              *view.candidate_batch)), is_strict=False)
+        if plan.evict:
+            return plan
         requests = {s.seq_id for s in view.candidate_requests}
         return BoundaryPlan(
             admit_requests=tuple(i for i in plan.admit_batch if i in requests),

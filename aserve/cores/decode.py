@@ -220,9 +220,8 @@ class DecodeCore(Core):
         longest running seq (moves to carry out, then a new boundary; a seq whose KV was
         dropped frees its room at once) or, with none running, returns [] (wait for the
         batcher)."""
-        runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         dropped = False
-        while not runnable and self.running:
+        while not (runnable := self._growable()) and self.running:
             longest = max(self.running, key=lambda s: s.num_tokens)
             moves = self._evict(longest, now)
             if moves:
@@ -234,12 +233,15 @@ class DecodeCore(Core):
             # leave the instance idle with its candidates staged, while the full host pool
             # waits on them.
             dropped = True
-            runnable = [s for s in self.running if self.kv.grow(s, s.num_tokens)]
         if not runnable:
             return (self.step(now) or []) if dropped else []
         self._report_window(runnable)
         return Forward(self.name, runnable,
                        [s.num_tokens - s.num_computed_tokens for s in runnable], now)
+
+    def _growable(self) -> list[SeqState]:
+        """The running seqs whose KV can grow by the next step's token (grown now)."""
+        return [s for s in self.running if self.kv.grow(s, s.num_tokens)]
 
     def _report_window(self, runnable: list[SeqState]) -> None:
         """Tells the batcher the length window of pool requests that could join the running

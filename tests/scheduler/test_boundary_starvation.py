@@ -42,7 +42,7 @@ def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> No
     """Under a total-work step cost (the default, as paged attention's on a CPU) the
     boundary admits in arrival order, past one that does not fit yet: the older candidate
     batch before the candidate request that arrived later, and the request only where the
-    batch does not fit."""
+    batch does not fit; once the batch starves it goes first too."""
     def fresher(free_blocks: int) -> BoundaryView:
         return dataclasses.replace(
             view(now=10.0), free_blocks=free_blocks,
@@ -57,6 +57,9 @@ def test_where_grouping_cannot_pay_the_wait_of_an_older_batch_is_bounded() -> No
     assert plan.admit_batch == ("long",) and plan.admit_requests == ("m0",)
     plan = policy.plan_boundary(fresher(3))
     assert plan.admit_batch == () and plan.admit_requests == ("m0",)
+    plan = get_policy("aligned", PolicyConfig(starvation_threshold=5.0)).plan_boundary(
+        fresher(6))
+    assert plan.admit_batch == ("long",) and plan.admit_requests == ()
 
 
 def test_starving_evicted_request_goes_before_closer_candidate_requests() -> None:
