@@ -102,14 +102,16 @@ def paired_ratios(doc: dict[str, object], workload: str) -> list[float]:
     return [round(t["aligned"] / max(t["fcfs"], t["continuous"]), 3) for t in by.values()]
 
 
-# A scaled-down padded run measured idle (24 requests of 64 tokens, decode KV of 90 blocks);
-# its iteration records calibrate the simulator's padded cost model for this CPU.
+# A scaled-down padded run measured idle (24 requests of 64 output tokens, decode KV of 90
+# blocks) and padded decode steps timed over a grid of sizes: their records calibrate the
+# simulator's padded cost model for this CPU.
 SCALED_DOWN_RECORDS = Path(__file__).resolve().parent / "data" / "padded_scaled_down.iterations"
+PADDED_GRID = SCALED_DOWN_RECORDS.parent / "padded_grid.jsonl"  # python -m bench.step_grid
 
 
 def test_bubble_regime_predicted() -> None:
     """The simulator (the engine's own cores and policies, on the cost model fitted to the
-    scaled-down run's records) predicts the full-size bubble regime in seconds: a
+    scaled-down run's and the grid's records) predicts the full-size bubble regime in seconds: a
     check of the policies' decisions at full size before the half-hour engine run."""
     from scheduler.calibrate import load_records
     from scheduler.hardware import get_hardware
@@ -124,6 +126,7 @@ def test_bubble_regime_predicted() -> None:
         head, recs = load_records(path)
         header.update(head)
         records += recs  # decode steps and prefill steps (which fit the FLOP rate)
+    records += load_records(PADDED_GRID)[1]  # decode steps over the full size's range
     calibration = calibration_from_header({**header, "attention": "padded"}, records)
     print(f"\npadded model fitted on {calibration.num_records} records, median error "
           f"{calibration.median_rel_error:.1%}: {calibration.params}")

@@ -9,7 +9,8 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
 
 - Simulator: ``ASERVE_FAMILY_SIM`` members (default 24) on the cost models calibrated on
   the development CPU (OPT-125m, bf16): padded from benchmarks/data's scaled-down padded
-  run, paged from an engine start-up probe of paged attention (benchmarks/data).
+  run and padded steps timed over the family's range (bench/step_grid.py), paged from an
+  engine start-up probe of paged attention (benchmarks/data).
 - Engine: ``ASERVE_FAMILY_ENGINE`` members (default 6) narrowed to 32-36 requests of
   32-40 output tokens, opt-125m bf16, padded (``ASERVE_FAMILY_ATTENTION=paged``: paged),
   each system twice (``ASERVE_FAMILY_RUNS``): once in an order rotated from one member to
@@ -68,17 +69,23 @@ SYSTEMS = ("aligned", "fcfs", "continuous", "aligned-loose")
 MODEL, DTYPE, BLOCK_SIZE, MAX_LEN = "opt-125m", "bfloat16", 16, 2040
 ENGINE_REQUESTS, ENGINE_OUTPUTS = (32, 36), (32, 40)  # the family's small end: a 2-core CPU
 PAGED_PROBE = DATA / "paged_probe.jsonl"  # an engine's start-up probe, paged attention
+PADDED_GRID = DATA / "padded_grid.jsonl"  # padded decode steps over the family's range
+
+
+def padded_records() -> list[Record]:
+    """The engine's padded steps on the development CPU: a scaled-down padded run (its
+    decode and prompt steps; not continuous's, which mix prompts into decode steps) and
+    decode steps timed over the family's range (``python -m bench.step_grid``)."""
+    records: list[Record] = []
+    for path in sorted((DATA / "padded_scaled_down.iterations").glob("*.jsonl")):
+        if "continuous" not in path.name:
+            records += load_records(path)[1]
+    return records + load_records(PADDED_GRID)[1]
 
 
 def cpu_cost(kernel: str) -> CostModel:
     """The development CPU's cost model for ``kernel`` ("padded" or "split-k": paged)."""
-    records: list[Record] = []
-    if kernel == "padded":
-        for path in sorted((DATA / "padded_scaled_down.iterations").glob("*.jsonl")):
-            if "continuous" not in path.name:  # colocated steps mix prompts in
-                records += load_records(path)[1]
-    else:
-        records += load_records(PAGED_PROBE)[1]
+    records = padded_records() if kernel == "padded" else load_records(PAGED_PROBE)[1]
     return fitted_cost(records, kernel)[0]
 
 

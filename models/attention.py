@@ -276,7 +276,8 @@ class PagedBackend(AttentionBackend):
 
 
 class PaddedBackend(AttentionBackend):
-    """Decode padded to the longest sequence of the batch (the static-batch bubble)."""
+    """Decode padded to the longest sequence of the batch (the static-batch bubble): every
+    sequence reads ``max_seq_len`` KV rows, so a step costs batch x longest."""
 
     name = "padded"
 
@@ -285,16 +286,57 @@ class PaddedBackend(AttentionBackend):
         num_seqs, num_heads, head_dim = q.shape
         block_size = kv_cache.shape[3]
         num_blocks = math.ceil(index.max_seq_len / block_size)
-        tables = index.block_tables[:, :num_blocks]  # [num_seqs, num_blocks]
         max_len = num_blocks * block_size
-        k = kv_cache[:, layer, 0][tables].view(num_seqs, max_len, num_heads, head_dim)
-        v = kv_cache[:, layer, 1][tables].view(num_seqs, max_len, num_heads, head_dim)
-        scores = torch.einsum("nhd,nshd->nhs", q * scale, k)  # [num_seqs, heads, max_len]
         pad = torch.arange(max_len, device=q.device) >= index.seq_lens[:, None]  # [n, max_len]
+        if q.device.type != "cpu":
+            tables = index.block_tables[:, :num_blocks]  # [num_seqs, num_blocks]
+            k = kv_cache[:, layer, 0][tables].view(num_seqs, max_len, num_heads, head_dim)
+            v = kv_cache[:, layer, 1][tables].view(num_seqs, max_len, num_heads, head_dim)
+            scores = torch.einsum("nhd,nshd->nhs", q * scale, k)  # [num_seqs, heads, max_len]
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+            scores.masked_fill_(pad[:, None, :], float("-inf"))
+            p = scores.softmax(-1).to(v.dtype)  # [num_seqs, heads, max_len]
+            return torch.einsum("nhs,nshd->nhd", p, v)
+        # NOTE: on a CPU, the einsums above copy K and V into a head-major layout and every
+        # layer allocates the padded KV afresh: once a layer's padded KV outgrows the
+        # processor's cache, those copies and first touches grow a step's time several
+        # times faster than its KV. Here both gathers land in one buffer per forward and
+        # the products read them in the cache's layout: each query as a block-diagonal row
+        # over all heads' KV, which multiplies by the heads but reads the KV once, in order.
+        k, v = self._gathered(kv_cache, layer, index, num_blocks)  # [n, max_len, heads*dim]
+        eye = torch.eye(num_heads, dtype=q.dtype, device=q.device)
+        rows = ((q * scale)[:, :, None, :] * eye[None, :, :, None]).reshape(
+            num_seqs, num_heads, num_heads * head_dim)  # row h: query head h in block h
+        scores = torch.bmm(rows, k.transpose(1, 2))  # [num_seqs, heads, max_len]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         scores.masked_fill_(pad[:, None, :], float("-inf"))
-        p = scores.softmax(-1).to(v.dtype)  # [num_seqs, heads, max_len]
-        return torch.einsum("nhs,nshd->nhd", p, v)
+        p = scores.softmax(-1).to(v.dtype)
+        out = torch.bmm(p, v).view(num_seqs, num_heads, num_heads, head_dim)
+        return torch.diagonal(out, dim1=1, dim2=2).transpose(1, 2)  # head h of row h
+
+    @staticmethod
+    def _gathered(kv_cache: Tensor, layer: int, index: DecodeIndex, num_blocks: int
+                  ) -> tuple[Tensor, Tensor]:
+        """K and V of ``layer`` for every sequence, padded to ``num_blocks`` blocks:
+        ``[num_seqs, num_blocks * block_size, heads * head_dim]`` each, gathered into
+        buffers that every layer of the forward reuses (``index.workspace``)."""
+        num_seqs = index.block_tables.shape[0]
+        block_size, heads, head_dim = kv_cache.shape[3:]
+        shape = (num_seqs * num_blocks, block_size, heads, head_dim)
+        buffers = index.workspace.get("padded_kv")
+        if buffers is None or buffers[0].shape != shape or buffers[0].dtype != kv_cache.dtype:
+            buffers = index.workspace["padded_kv"] = (
+                kv_cache.new_empty(shape), kv_cache.new_empty(shape))
+        tables = index.workspace.get("padded_tables")
+        if tables is None:
+            tables = index.workspace["padded_tables"] = (
+                index.block_tables[:, :num_blocks].reshape(-1))
+        k, v = buffers
+        torch.index_select(kv_cache[:, layer, 0], 0, tables, out=k)
+        torch.index_select(kv_cache[:, layer, 1], 0, tables, out=v)
+        width = num_blocks * block_size
+        return (k.view(num_seqs, width, heads * head_dim),
+                v.view(num_seqs, width, heads * head_dim))
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -183,6 +183,12 @@ def _solve(feats: Sequence[Features], times: np.ndarray, q: float, bw: float,
             coef[3] = imbalance
         coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
         negative = [j for j in active if coef[j] < 0 and j != 2]  # keep the roofline term
+        if coef[2] < 0 and 0 in active:
+            # NOTE: a decode step's roofline is its weights' fixed bytes plus its KV, so a
+            # per-step constant can stand in for the weights and leave the roofline
+            # negative (the KV then priced by the imbalance column alone); the constant
+            # goes, as a negative coefficient would
+            negative = [0]
         if not negative:
             break
         active.remove(min(negative, key=lambda j: coef[j]))

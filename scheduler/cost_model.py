@@ -161,7 +161,7 @@ class Features(NamedTuple):
     num_seqs: int
     mem_bytes: float  # weights + KV read and written
     flops: float
-    imbalance_bytes: float  # extra bytes-equivalent of attention imbalance (>= 0)
+    imbalance_bytes: float  # bytes-equivalent of attention priced apart (>= 0): imbalance
     prefill_flops: float = 0.0  # the FLOPs of prefill chunks' tokens (in flops)
     prefill_attention_flops: float = 0.0  # their query-key FLOPs (in prefill_flops)
 
@@ -222,8 +222,11 @@ class CostModel:
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
         """Attention time lost to imbalance, as extra bytes at the full bandwidth.
 
-        `split-k` balances work over the SMs (0). `padded` reads every seq to the longest.
-        `per-seq` gives each (seq, head) one SM; tasks run in waves of num_sms in batch
+        `split-k` balances work over the SMs (0). `padded` reads every seq to the longest:
+        all batch x longest rows are priced here, a seq's own as its padding, since the
+        kernel gathers and reads them alike (a fit that priced the own rows inside the
+        roofline, at the weights' rate, put large uniform padded steps at half their
+        time). `per-seq` gives each (seq, head) one SM; tasks run in waves of num_sms in batch
         order and each wave lasts as long as its longest sequence. `per-seq-lpt` is the same
         kernel with the sequences issued longest-first (see `wave_tokens`).
         """
@@ -235,13 +238,22 @@ class CostModel:
         order = sorted(lengths, reverse=True) if self.kernel == "per-seq-lpt" else lengths
         return self._imbalance(len(lengths), sum(lengths), 0, wave_tokens(order, heads, slots))
 
+    def lost_to_imbalance(self, lengths: Sequence[int]) -> float:
+        """Seconds of a decode step over ``lengths`` lost to imbalance: the per-seq
+        kernels' uneven waves, the padded kernel's padding rows (not the seqs' own, which
+        ``imbalance_bytes`` prices too); 0 for split-K."""
+        extra = self.imbalance_bytes(lengths)
+        if self.kernel == "padded":
+            extra -= sum(lengths) * self.kv_bytes_per_token
+        return self.params.imbalance_scale * extra / self._bw
+
     def _imbalance(self, num_seqs: int, total: int, longest: int, waves: int) -> float:
         """`imbalance_bytes` of `num_seqs` decode seqs of `total` KV tokens, from their
         `longest` (padded) or their `wave_tokens` (per-seq kernels)."""
         if not num_seqs or self.kernel == "split-k":
             return 0.0
         if self.kernel == "padded":
-            return float(num_seqs * longest - total) * self.kv_bytes_per_token
+            return float(num_seqs * longest) * self.kv_bytes_per_token
         return float(self.hardware.num_sms * waves
                      - self.geometry.num_heads * total) * self._head_bytes
 

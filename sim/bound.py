@@ -11,7 +11,7 @@ better: continuous refills can beat it where outputs differ widely.
 (no padding, no imbalance, no small batches), a floor no schedule goes below under the model.
 
 ``bubble``: what one run's decode steps padded (KV tokens beyond the real ones) and the
-share of their predicted time that is imbalance.
+share of their predicted time that is imbalance (the padded kernel's padding rows).
 """
 
 from __future__ import annotations
@@ -51,15 +51,14 @@ def decode_steps(iterations: Sequence[IterationRecord]) -> list[IterationRecord]
 
 def bubble(iterations: Sequence[IterationRecord], cost: CostModel) -> Bubble:
     """The padding of ``iterations``' decode steps, and the share of their predicted time
-    (``cost``) that is the kernel's imbalance."""
+    (``cost``) that is the kernel's imbalance (``CostModel.lost_to_imbalance``)."""
     steps = decode_steps(iterations)
     padded = sum(len(it.lengths) * max(it.lengths) - sum(it.lengths) for it in steps)
     real = sum(sum(it.lengths) for it in steps)
     total = imbalance = 0.0
     for it in steps:
-        f = cost.features(it.lengths)
-        total += cost.time_of(f)
-        imbalance += cost.params.imbalance_scale * f.imbalance_bytes / cost._bw
+        total += cost.iteration_time(it.lengths)
+        imbalance += cost.lost_to_imbalance(it.lengths)
     return Bubble(padded, real, imbalance / total if total else math.nan, len(steps))
 
 
@@ -74,7 +73,7 @@ def step_times(cost: CostModel, num: np.ndarray, total: np.ndarray,
     kvb = cost.kv_bytes_per_token
     mem = cost.weight_bytes + total * kvb
     flops = (g.dense_flops_per_token + g.lm_head_flops) * num + cost._attn_flops * total
-    imbalance = (num * longest - total) * kvb if cost.kernel == "padded" else 0.0 * num
+    imbalance = num * longest * kvb if cost.kernel == "padded" else 0.0 * num
     times = (p.step_overhead + p.per_seq_overhead * num + p.imbalance_scale * imbalance
              / cost._bw + np.maximum(mem / cost._bw, flops / cost._rate))
     return np.where(num > 0, times, 0.0)

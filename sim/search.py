@@ -37,7 +37,7 @@ class MeteredCost(CostModel):
         duration = self.time_of(f)
         if decode_lengths and not prefill_chunks:
             self.decode_time += duration
-            self.imbalance_time += self.params.imbalance_scale * f.imbalance_bytes / self._bw
+            self.imbalance_time += self.lost_to_imbalance(decode_lengths)
         return duration
 
     @property

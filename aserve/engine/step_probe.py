@@ -217,10 +217,10 @@ def probe(runner: ModelRunner, kv_cache: torch.Tensor, num_blocks: int, block_si
             if fits >= size:
                 batches.append([length] * size)
         size *= 2
-    return _timed_steps(runner, kv_cache, batches, block_size)
+    return timed_steps(runner, kv_cache, batches, block_size)
 
 
-def _timed_steps(runner: ModelRunner, kv_cache: torch.Tensor, batches: list[list[int]],
+def timed_steps(runner: ModelRunner, kv_cache: torch.Tensor, batches: list[list[int]],
                  block_size: int) -> list[IterationRecord]:
     """One synthetic decode step over seqs of each batch's KV tokens, run in
     ``PROBE_ROUNDS`` rounds; each step's fastest run (the runner's own measure) counts."""

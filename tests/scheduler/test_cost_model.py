@@ -96,3 +96,22 @@ def test_kv_bytes_count_whole_blocks() -> None:
 def test_bad_names_and_values_raise_value_error(call: object) -> None:
     with pytest.raises(ValueError):
         call()  # type: ignore[operator]
+
+
+def test_padded_prices_every_row_it_reads_and_loses_only_the_padding() -> None:
+    """The padded kernel reads batch x longest rows, a seq's own as its padding: equal
+    total KV costs the same spread or not only under split-K. What it loses to imbalance
+    (bench tables' bubble share) is the padding rows alone: none for equal lengths."""
+    model = CostModel(get_geometry("opt-125m"), get_hardware("cpu"),
+                      CostParams(imbalance_scale=2.0), "padded")
+    kvb = model.kv_bytes_per_token
+    assert model.imbalance_bytes([100, 300]) == 2 * 300 * kvb
+    assert model.lost_to_imbalance([200, 200]) == 0.0
+    assert model.lost_to_imbalance([100, 300]) == pytest.approx(
+        2.0 * 200 * kvb / model._bw, rel=1e-12)
+    # a uniform step's own rows grow its time beyond the roofline's share of the KV
+    roofline_only = CostModel(get_geometry("opt-125m"), get_hardware("cpu"),
+                              CostParams(imbalance_scale=0.0), "padded")
+    assert (model.iteration_time([2000] * 8) - model.iteration_time([100] * 8)
+            > roofline_only.iteration_time([2000] * 8) - roofline_only.iteration_time([100] * 8))
+    assert _model("split-k").lost_to_imbalance([100, 300]) == 0.0

@@ -61,7 +61,7 @@ def test_the_output_blind_search_knows_only_prompts_and_pays_for_it() -> None:
     cost, w = model("padded"), workload()
     search = search_decode_time(w, cost, 10_000, 16, 64)
     blind = output_blind_decode_time(w, cost, 10_000, 16, 64)
-    assert search <= blind < one_batch(w, cost)
+    assert search <= blind * (1 + 1e-12) and blind < one_batch(w, cost)  # sums may round
     # with every output alike, the outputs tell the search nothing
     same = Workload("same", tuple(dataclasses.replace(r, output_len=22) for r in w.requests))
     assert output_blind_decode_time(same, cost, 130, 16, 64) == pytest.approx(
