@@ -216,18 +216,21 @@ class CostModel:
         prefill = g.dense_flops_per_token * prefill_tokens + prefill_attention
         flops = (g.dense_flops_per_token * num_decodes + g.lm_head_flops * num_seqs
                  + self._attn_flops * decode_attn + prefill)
-        return Features(num_seqs, self.weight_bytes + num_kv * self.kv_bytes_per_token,
+        # the padded kernel's decode KV is priced by its rows (``imbalance_bytes``)
+        held = num_kv - decode_attn if self.kernel == "padded" else num_kv
+        return Features(num_seqs, self.weight_bytes + held * self.kv_bytes_per_token,
                         flops, imbalance, prefill, prefill_attention)
 
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
         """Attention time lost to imbalance, as extra bytes at the full bandwidth.
 
         `split-k` balances work over the SMs (0). `padded` reads every seq to the longest:
-        all batch x longest rows are priced here, a seq's own as its padding, since the
-        kernel gathers and reads them alike (a fit that priced the own rows inside the
-        roofline, at the weights' rate, put large uniform padded steps at half their
-        time). `per-seq` gives each (seq, head) one SM; tasks run in waves of num_sms in batch
-        order and each wave lasts as long as its longest sequence. `per-seq-lpt` is the same
+        all batch x longest rows are priced here, a seq's own as its padding, and its
+        decode KV is left out of the roofline's bytes, since the kernel gathers and reads
+        them alike (a fit that priced the own rows inside the roofline, at the weights'
+        rate, put large uniform padded steps at half their time). `per-seq` gives each
+        (seq, head) one SM; tasks run in waves of num_sms in batch order and each wave
+        lasts as long as its longest sequence. `per-seq-lpt` is the same
         kernel with the sequences issued longest-first (see `wave_tokens`).
         """
         if not lengths or self.kernel == "split-k":

@@ -71,7 +71,7 @@ def step_times(cost: CostModel, num: np.ndarray, total: np.ndarray,
         raise ValueError(f"kernel ({cost.kernel!r}) must be padded or split-k here")
     g, p = cost.geometry, cost.params
     kvb = cost.kv_bytes_per_token
-    mem = cost.weight_bytes + total * kvb
+    mem = cost.weight_bytes + (0.0 if cost.kernel == "padded" else total * kvb)
     flops = (g.dense_flops_per_token + g.lm_head_flops) * num + cost._attn_flops * total
     imbalance = num * longest * kvb if cost.kernel == "padded" else 0.0 * num
     times = (p.step_overhead + p.per_seq_overhead * num + p.imbalance_scale * imbalance
