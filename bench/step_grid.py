@@ -29,6 +29,7 @@ SIZES = (1, 4, 16, 48, 96)  # seqs per uniform step
 LENGTHS = (64, 256, 1024, 2000)  # KV tokens per seq of a uniform step
 SPREADS = ((64, 512), (64, 2000), (256, 1024))  # (short, long) of the mixed steps
 MIXED_SIZES = (8, 32)  # seqs per mixed step: one long among shorts, and half and half
+MAX_BLOCKS = 8_100  # the uniform steps' KV at most (blocks of BLOCK_SIZE tokens)
 
 
 def grid(max_blocks: int) -> list[list[int]]:
@@ -47,7 +48,7 @@ async def run(model: str, dtype: str, attention: str, device: str
               ) -> tuple[dict[str, object], list[dict[str, object]]]:
     """The grid's steps timed on an engine of ``model`` on ``device``: the records' header
     and the records (as dicts)."""
-    steps = grid(max_blocks=8_100)
+    steps = grid(MAX_BLOCKS)
     blocks = max(sum(ceil_div(n + 1, BLOCK_SIZE) for n in step) for step in steps) + 1
     config = EngineConfig.create(
         model=model, dtype=dtype, attention=attention, block_size=BLOCK_SIZE,

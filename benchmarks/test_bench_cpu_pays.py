@@ -11,7 +11,6 @@ decode KV holds about `BATCH_REQUESTS` median requests, so the pool needs >= 4x 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,38 +102,27 @@ def paired_ratios(doc: dict[str, object], workload: str) -> list[float]:
 
 
 # A scaled-down padded run measured idle (24 requests of 64 output tokens, decode KV of 90
-# blocks) and padded decode steps timed over a grid of sizes: their records calibrate the
-# simulator's padded cost model for this CPU.
+# blocks): with padded decode steps timed over a grid of sizes, its records calibrate the
+# simulator's padded cost model for this CPU (``test_bench_family.padded_records``).
 SCALED_DOWN_RECORDS = Path(__file__).resolve().parent / "data" / "padded_scaled_down.iterations"
-PADDED_GRID = SCALED_DOWN_RECORDS.parent / "padded_grid.jsonl"  # python -m bench.step_grid
 
 
 def test_bubble_regime_predicted() -> None:
     """The simulator (the engine's own cores and policies, on the cost model fitted to the
-    scaled-down run's and the grid's records) predicts the full-size bubble regime in seconds: a
-    check of the policies' decisions at full size before the half-hour engine run."""
-    from scheduler.calibrate import load_records
-    from scheduler.hardware import get_hardware
-    from sim import CostModel, get_geometry, simulate
-    from sim.validate import calibration_from_header, cluster_for_bench
+    scaled-down run's and the grid's records) predicts the full-size bubble regime in
+    seconds: a check of the policies' decisions at full size before the engine run."""
+    from benchmarks.test_bench_family import DTYPE, MODEL, fitted_cost, padded_records
+    from sim import simulate
+    from sim.validate import cluster_for_bench
 
-    header: dict[str, object] = {}
-    records: list[dict[str, object]] = []
-    for path in sorted(SCALED_DOWN_RECORDS.glob("*.jsonl")):
-        if "continuous" in path.name:  # colocated steps: prefill and decode in one forward
-            continue
-        head, recs = load_records(path)
-        header.update(head)
-        records += recs  # decode steps and prefill steps (which fit the FLOP rate)
-    records += load_records(PADDED_GRID)[1]  # decode steps over the full size's range
-    calibration = calibration_from_header({**header, "attention": "padded"}, records)
-    print(f"\npadded model fitted on {calibration.num_records} records, median error "
-          f"{calibration.median_rel_error:.1%}: {calibration.params}")
-    hw = replace(get_hardware(calibration.hardware), dtype_bytes=calibration.dtype_bytes)
-    cost = CostModel(get_geometry(calibration.model), hw, calibration.params, "padded")
+    records = padded_records()
+    cost, error = fitted_cost(records, "padded")
+    print(f"\npadded model fitted on {len(records)} records, median error {error:.1%}: "
+          f"{cost.params}")
     workload = synthetic(NUM_REQUESTS, short_ratio=0.9, short_range=(32, 256),
                          long_range=(512, 1024), output_range=128, seed=0)
-    config = cluster_for_bench(header, workload, batch_requests=BATCH_REQUESTS)
+    config = cluster_for_bench({"model": MODEL, "dtype": DTYPE}, workload,
+                               batch_requests=BATCH_REQUESTS)
     assert config.num_host_blocks >= MIN_POOL_RATIO * config.num_decode_blocks
     by = {}
     for system in SYSTEMS:

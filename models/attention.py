@@ -322,16 +322,13 @@ class PaddedBackend(AttentionBackend):
         buffers that every layer of the forward reuses (``index.workspace``)."""
         num_seqs = index.block_tables.shape[0]
         block_size, heads, head_dim = kv_cache.shape[3:]
-        shape = (num_seqs * num_blocks, block_size, heads, head_dim)
-        buffers = index.workspace.get("padded_kv")
-        if buffers is None or buffers[0].shape != shape or buffers[0].dtype != kv_cache.dtype:
-            buffers = index.workspace["padded_kv"] = (
+        gather = index.workspace.get("padded")
+        if gather is None:  # one index serves one forward: its shapes hold for every layer
+            shape = (num_seqs * num_blocks, block_size, heads, head_dim)
+            gather = index.workspace["padded"] = (
+                index.block_tables[:, :num_blocks].reshape(-1),
                 kv_cache.new_empty(shape), kv_cache.new_empty(shape))
-        tables = index.workspace.get("padded_tables")
-        if tables is None:
-            tables = index.workspace["padded_tables"] = (
-                index.block_tables[:, :num_blocks].reshape(-1))
-        k, v = buffers
+        tables, k, v = gather
         torch.index_select(kv_cache[:, layer, 0], 0, tables, out=k)
         torch.index_select(kv_cache[:, layer, 1], 0, tables, out=v)
         width = num_blocks * block_size

@@ -161,7 +161,7 @@ class Features(NamedTuple):
     num_seqs: int
     mem_bytes: float  # weights + KV read and written
     flops: float
-    imbalance_bytes: float  # bytes-equivalent of attention priced apart (>= 0): imbalance
+    imbalance_bytes: float  # attention bytes priced apart (>= 0, ``imbalance_bytes``)
     prefill_flops: float = 0.0  # the FLOPs of prefill chunks' tokens (in flops)
     prefill_attention_flops: float = 0.0  # their query-key FLOPs (in prefill_flops)
 
@@ -222,7 +222,8 @@ class CostModel:
                         flops, imbalance, prefill, prefill_attention)
 
     def imbalance_bytes(self, lengths: Sequence[int]) -> float:
-        """Attention time lost to imbalance, as extra bytes at the full bandwidth.
+        """Decode attention priced apart from the roofline, as bytes at the full bandwidth:
+        what imbalance costs a per-seq kernel, every row a padded one reads.
 
         `split-k` balances work over the SMs (0). `padded` reads every seq to the longest:
         all batch x longest rows are priced here, a seq's own as its padding, and its

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.step_grid import BLOCK_SIZE, grid, main
+from bench.step_grid import BLOCK_SIZE, MAX_BLOCKS, grid, main
 from scheduler import ceil_div
 from scheduler.calibrate import fit, load_records
 
@@ -24,7 +24,7 @@ def test_the_records_fit_a_padded_cost(tmp_path: Path) -> None:
           "--out", str(out)])
     header, records = load_records(out)
     assert header["attention"] == "padded" and header["hardware"] == "cpu"
-    assert len(records) == len(grid(max_blocks=8_100))
+    assert len(records) == len(grid(MAX_BLOCKS))
     assert all(float(r["forward_time"]) > 0 and r["instance"] == "probe"  # type: ignore[arg-type]
                for r in records)
     assert fit(records, model="opt-125m", kernel="padded").num_records == len(records)

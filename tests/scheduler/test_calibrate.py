@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,15 +171,10 @@ def test_the_engines_padded_steps_fit_over_the_familys_range() -> None:
     1-96 seqs of 65-2,001 tokens, `python -m bench.step_grid`): one fit holds over both.
     A fit that priced a seq's own rows at the weights' rate put large uniform steps at half
     their time, and one whose roofline went negative missed by a median 22 %."""
-    data = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
-    grid = load_records(data / "padded_grid.jsonl")[1]
-    run = [r for path in sorted((data / "padded_scaled_down.iterations").glob("*.jsonl"))
-           if "continuous" not in path.name for r in load_records(path)[1]]
-    calibration = fit(run + grid, model="opt-125m", kernel="padded", dtype_bytes=2)
-    assert calibration.median_rel_error < 0.08
-    hw = get_hardware("cpu")
-    model = CostModel(get_geometry("opt-125m"), replace(hw, dtype_bytes=2),
-                      calibration.params, "padded")
-    for r in grid:
+    from benchmarks.test_bench_family import PADDED_GRID, fitted_cost, padded_records
+
+    model, error = fitted_cost(padded_records(), "padded")
+    assert error < 0.08
+    for r in load_records(PADDED_GRID)[1]:
         predicted = model.time_of(model.features(*record_lengths(r)))
         assert predicted / float(r["forward_time"]) == pytest.approx(1.0, abs=0.25), r
