@@ -9,11 +9,13 @@ does not (paged attention on a CPU, split-K) it keeps batches as wide as the KV 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
 from scheduler.aligned_strict import AlignedStrictPolicy
 from scheduler.batching import (
@@ -31,7 +33,7 @@ from scheduler.batching import (
     take_in_order,
 )
 from scheduler.policy import PREFILL_LEAD, PolicyConfig, register_policy
-from scheduler.step_time import GrowingStep, growing_step, mixing_pays
+from scheduler.step_time import GrowingStep, RunTimes, growing_step, mixing_pays, run_times
 
 CUT_SPAN = 8  # batches' worth of the pool that ``_cheapest_cut`` cuts (decision time)
 WASTE_TOLERANCE = 1e-6  # share of an empty step's time below which wastes are equal
@@ -52,6 +54,42 @@ HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
 WAITS_KEPT = 4096  # boundaries after which a wait no instance shows again is forgotten
+
+
+def _first_cut_vectorised(times: RunTimes, items: Sequence[tuple[int, object, int]],
+                          max_blocks: int, max_requests: int) -> int:
+    """``AlignedPolicy._first_cut`` with the model's vectorised step times (``run_times``):
+    the batches that start at one item, all its lengths at once. Items are in length order,
+    so a batch's longest is its last."""
+    n = len(items)
+    if not n:
+        return 0
+    lengths = np.array([item[0] for item in items], dtype=np.int64)
+    tokens = np.concatenate(([0], np.cumsum(lengths)))
+    blocks = np.concatenate(([0], np.cumsum([item[2] for item in items])))
+    best = np.full(n + 1, math.inf)
+    best[0] = 0.0
+    back = np.zeros(n + 1, dtype=np.int64)
+    for i in range(n):
+        if math.isinf(best[i]):
+            continue
+        # batches items[i:j + 1] within the room: j + 1 <= end
+        end = min(n, i + max_requests,
+                  int(np.searchsorted(blocks, blocks[i] + max_blocks, side="right")) - 1)
+        if end <= i:
+            continue
+        j = np.arange(i, end)
+        cand = best[i] + times(j - i + 1, tokens[j + 1] - tokens[i], lengths[j])
+        better = cand < best[i + 1:end + 1]
+        best[i + 1:end + 1][better] = cand[better]
+        back[i + 1:end + 1][better] = i
+    last = n
+    while math.isinf(best[last]) and last > 0:  # the span's last requests may not fit
+        last -= 1
+    first = last
+    while back[first] > 0:
+        first = int(back[first])
+    return int(first)
 
 
 @register_policy
@@ -82,6 +120,13 @@ class AlignedPolicy(AlignedStrictPolicy):
         # key -> (its wait_start, boundaries waited, the tick it was last seen)
         self._waits: dict[tuple[str, object], tuple[float, int, int]] = {}
         self._tick = 0  # plan_boundary calls so far
+        # the first batch's size in the cut of the pool and the waiting prompts, by their
+        # lengths and blocks (``_next_batch``)
+        self._first_cuts: dict[tuple[object, ...], int] = {}
+        # the decode instances' running batch (``current_batch_id``) and the time its first
+        # boundary was seen (``prefill_quota``; none yet: a backlog before its first batch)
+        self._batch: int | None = None
+        self._batch_start = math.inf
 
     def add(self, seq: SeqView) -> None:
         super().add(seq)
@@ -211,18 +256,99 @@ class AlignedPolicy(AlignedStrictPolicy):
         cuts from a backlog is then its shortest requests, ready after the first prefills."""
         return self.alignment_pays([1, self.config.max_len])
 
-    def holds_prefill(self, num_unstarted: int, num_running: int) -> bool:
-        """Where prefill goes shortest first (``prefills_shortest_first``): while as many
-        prefilled requests wait for their first decode step as the decode instances run,
-        and at least ``PREFILL_LEAD``, the next prompt waits for prefill instead.
+    def prefill_quota(self, num_unstarted: int, running: Sequence[int],
+                      waiting: Sequence[tuple[int, int, float]]) -> int:
+        """Where prefill goes shortest first (``prefills_shortest_first``), the prompts
+        that start decoding soon once prefilled:
 
-        NOTE: the batches go shortest first too, so a backlog prefilled at once waits in
-        the pool: a long prompt with a short output got its first token in the backlog's
-        first seconds and its second once every shorter request had decoded, a wait P99
-        TPOT counts, spread over its few tokens. Paced, that wait comes before its first
-        token, while the pool still holds a batch to cut from and the next one."""
-        return (num_unstarted >= max(PREFILL_LEAD, num_running)
-                and self.prefills_shortest_first())
+        - while the running batch is above its ``drain_floor`` (of the running seqs and
+          those prefilled and not started): those it would take as refills (``_joins``),
+          or the pool's next batch (``_next_batch``) where that batch would join it
+          (``mixing_pays``); none while as many as it runs, and at least
+          ``PREFILL_LEAD``, wait for their first decode step;
+        - once it is at its floor (or nothing runs): the pool's next batch.
+
+        Only a backlog that the running batch passed over is held so: while a prompt that
+        arrived after the running batch started waits (a stream), the prompts wait only for
+        that lead, as do prompts overtaken by later arrivals (``PREFILL_PASSES``: first in
+        ``waiting``, before its shortest).
+
+        NOTE: a prefilled request has its first token, and TPOT counts its wait for the
+        second. The batches go shortest first as the prompts do, so a longer prompt joins
+        no running batch of shorter ones where each step would pad them all to it:
+        prefilled at once, a long prompt with a short output got its first token in a
+        backlog's first seconds and its second once the running batch had drained, a wait
+        spread over its few tokens. Held, that wait comes before its first token, and the
+        device prefills it later instead of sooner. Where a step's fixed part outweighs
+        the padding, the next batch would join the running one, and is prefilled as soon
+        as it would. Under a stream the wait would fall on a new arrival's first token
+        instead (P99 TTFT many times fcfs's on a loaded device), so there prompts are
+        prefilled as they come, paced by the lead."""
+        if not waiting or not self.prefills_shortest_first():
+            return len(waiting)
+        lead = max(PREFILL_LEAD, len(running)) > num_unstarted
+        shortest = min(length for length, _, _ in waiting)
+        due = next(i for i, (length, _, _) in enumerate(waiting) if length == shortest)
+        if due:
+            return due if lead else 0
+        if any(at > self._batch_start for _, _, at in waiting):
+            return len(waiting) if lead else 0
+        if len(running) <= self.config.drain_floor * (len(running) + num_unstarted):
+            return self._next_batch(waiting)[0]
+        if not lead:
+            return 0
+        joins = self._joins(running, waiting)
+        if joins == 0:
+            taken, lengths = self._next_batch(waiting)
+            if mixing_pays(self._time, running, lengths):
+                return taken
+        return joins
+
+    def _joins(self, running: Sequence[int], waiting: Sequence[tuple[int, int, float]]
+               ) -> int:
+        """How many of the ``waiting`` prompts, in order, a running batch of ``running``
+        lengths would take as refills (each joining it ``waste``s no more per token than
+        the batch with the ones before it)."""
+        self._begin(self._slots)
+        lengths = list(running)
+        step = growing_step(self.step_time, lengths, self._time)
+        size, total = len(lengths), sum(lengths)
+        waste = self._step_waste(step, size, total)
+        for i, (length, _, _) in enumerate(waiting):
+            step.add(length)
+            size, total = size + 1, total + length
+            grown = self._step_waste(step, size, total)
+            if self._less_waste(waste, grown):
+                return i
+            waste = grown
+        return len(waiting)
+
+    def _next_batch(self, waiting: Sequence[tuple[int, int, float]]
+                    ) -> tuple[int, list[int]]:
+        """The first batch of the cheapest cut of the pool and the ``waiting`` prompts
+        (length, blocks, arrival; shortest first) within ``batch_room``: how many of the prompts it
+        takes, and its lengths (all prompts and none where the room is not known).
+
+        NOTE: decision time. Asked at every boundary while a prefill may be held, and a cut
+        costs O(requests × ``max_requests``) growing steps; as prompts are prefilled they
+        only move from ``waiting`` to the pool, so the cut of the two together is kept
+        until a request enters or leaves them (an arrival, a batch taken)."""
+        room = self.batch_room
+        if room is None:
+            return len(waiting), []
+        span = CUT_SPAN * room[1]
+        pool = itertools.islice(self.tree.root.requests(), span)
+        tagged = [(length, None, blocks) for length, blocks, _ in waiting[:span]]
+        items = list(heapq.merge(pool, tagged, key=lambda item: item[0]))[:span]
+        key = (tuple((length, blocks) for length, _, blocks in items), room,
+               self.step_time, getattr(self.step_time, "num_fits", 0))
+        first = self._first_cuts.get(key)
+        if first is None:
+            self._begin(room[1])
+            first = self._first_cut(items, *room)
+            self._first_cuts = {key: first}
+        return (sum(1 for item in items[:first] if item[1] is None),
+                [item[0] for item in items[:first]])
 
     def matching(self, lo: int, hi: int, max_blocks: int, max_requests: int,
                  now: float) -> list[str]:
@@ -283,10 +409,21 @@ class AlignedPolicy(AlignedStrictPolicy):
         knows.
 
         NOTE: decision time. The program costs O(pool × ``max_requests``) growing steps
-        (O(1) each with the model's incremental form); only the first ``CUT_SPAN`` batches'
+        (O(1) each with the model's incremental form; with its vectorised form, one array
+        operation per request, ``run_times``); only the first ``CUT_SPAN`` batches'
         worth of the pool is cut, since the first batch is the one taken now and the rest
         are cut again, with more requests, when their turn comes."""
         items = list(itertools.islice(pool, CUT_SPAN * max_requests))
+        first = self._first_cut(items, max_blocks, max_requests)
+        return [seq_id for _, seq_id, _ in items[:first]]
+
+    def _first_cut(self, items: Sequence[tuple[int, object, int]], max_blocks: int,
+                   max_requests: int) -> int:
+        """How many of ``items`` ((length, id, blocks) in length order) the first batch of
+        their cheapest cut takes (``_cheapest_cut``)."""
+        times = run_times(self.step_time)
+        if times is not None:
+            return _first_cut_vectorised(times, items, max_blocks, max_requests)
         n = len(items)
         best = [0.0] + [math.inf] * n
         back = [0] * (n + 1)
@@ -309,7 +446,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         first = end
         while back[first] > 0:
             first = back[first]
-        return [seq_id for _, seq_id, _ in items[:first]]
+        return first
 
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:
@@ -338,6 +475,8 @@ class AlignedPolicy(AlignedStrictPolicy):
           candidate batch takes their room.
         """
         self._begin(view.max_batch_size)
+        if view.current_batch_id != self._batch:
+            self._batch, self._batch_start = view.current_batch_id, view.now
         self._last_arrival = max(self._last_arrival, max(
             (s.arrival_time for seqs in (view.running, view.candidate_requests,
                                          view.candidate_batch) for s in seqs),

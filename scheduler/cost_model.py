@@ -19,6 +19,9 @@ from scheduler.hardware import Hardware
 
 KernelKind = Literal["split-k", "per-seq", "per-seq-lpt", "padded"]
 KERNELS: tuple[KernelKind, ...] = ("split-k", "per-seq", "per-seq-lpt", "padded")
+# the kernels whose decode step follows from its seqs' count, KV total and longest alone
+# (``CostModel.decode_step_times``)
+VECTORISED_KERNELS: tuple[KernelKind, ...] = ("split-k", "padded")
 
 
 def kernel_kind(name: str) -> KernelKind:
@@ -277,6 +280,23 @@ class CostModel:
                        prefill_chunks: Sequence[tuple[int, int]] = ()) -> float:
         """Seconds for one decode, prefill or mixed iteration (see `features`)."""
         return self.time_of(self.features(decode_lengths, prefill_chunks))
+
+    def decode_step_times(self, num: np.ndarray, total: np.ndarray,
+                          longest: np.ndarray) -> np.ndarray:
+        """``iteration_time`` of decode steps of ``num`` seqs holding ``total`` KV tokens,
+        the longest ``longest``, for many steps at once (padded and split-K kernels; the
+        per-seq kernels' waves need each seq's length: ``ValueError``). Steps of no seqs
+        take 0."""
+        if self.kernel not in VECTORISED_KERNELS:
+            raise ValueError(f"kernel ({self.kernel!r}) must be one of {VECTORISED_KERNELS}")
+        g, p = self.geometry, self.params
+        kvb = self.kv_bytes_per_token
+        mem = self.weight_bytes + (0.0 if self.kernel == "padded" else total * kvb)
+        flops = (g.dense_flops_per_token + g.lm_head_flops) * num + self._attn_flops * total
+        imbalance = num * longest * kvb if self.kernel == "padded" else 0.0 * num
+        times = (p.step_overhead + p.per_seq_overhead * num + p.imbalance_scale * imbalance
+                 / self._bw + np.maximum(mem / self._bw, flops / self._rate))
+        return np.where(num > 0, times, 0.0)
 
     def decode_step(self, lengths: Sequence[int]) -> GrowingDecodeStep:
         """The decode step over ``lengths`` as a batch that grows one seq at a time (a

@@ -70,8 +70,8 @@ class PolicyConfig(PolicyKnobs, frozen=True, kw_only=True):
 # (``Policy.prefills_shortest_first``): a finite backlog drains shortest first, and under a
 # stream no prompt waits behind shorter ones for more than a few prefills
 PREFILL_PASSES = 4
-# a pacing policy (``Policy.holds_prefill``) keeps at least this many prefilled requests
-# waiting for their first decode step
+# a pacing policy (``Policy.prefill_quota``) lets at least this many prefilled requests
+# wait for their first decode step
 PREFILL_LEAD = 16
 
 
@@ -100,6 +100,9 @@ class Policy(ABC):
         # decode steps spent before they are pooled are that device's time, which the
         # prefills would use as well
         self.incoming: Sequence[int] = ()
+        # the room of a batch the driver's batcher asks ``next_batch`` for first
+        # (max_blocks, max_requests), set once it is known
+        self.batch_room: tuple[int, int] | None = None
 
     def prefills_shortest_first(self) -> bool:
         """Whether a prefill instance whose device also decodes should take its waiting
@@ -108,13 +111,17 @@ class Policy(ABC):
         else in arrival order. Asked before each such prefill."""
         return False
 
-    def holds_prefill(self, num_unstarted: int, num_running: int) -> bool:
-        """Whether a prefill instance whose device also decodes should start no prefill
-        now, with ``num_unstarted`` requests prefilled and waiting for their first decode
-        step (their second token) and ``num_running`` seqs in the decode instances' running
-        batches; asked again once one of those requests gets its second token. No policy
-        holds prefill by default: a backlog is prefilled as fast as the pool takes it."""
-        return False
+    def prefill_quota(self, num_unstarted: int, running: Sequence[int],
+                      waiting: Sequence[tuple[int, int, float]]) -> int:
+        """How many of the ``waiting`` prompts a prefill instance whose device also decodes
+        may prefill now, in the order it takes them (0 holds the prefill back), with
+        ``num_unstarted`` requests prefilled and waiting for their first decode step
+        (their second token) and ``running`` the lengths of the seqs in the decode
+        instances' running batches; ``waiting`` holds each prompt's length and KV blocks
+        once prefilled (with its first token, as the pool would hold it) and its arrival.
+        Asked again at each decode boundary and once one of those requests gets its second
+        token. All by default: a backlog is prefilled as fast as the pool takes it."""
+        return len(waiting)
 
     @abstractmethod
     def add(self, seq: SeqView) -> None:

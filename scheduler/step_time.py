@@ -14,6 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
+from scheduler.cost_model import VECTORISED_KERNELS
+
 StepTime = Callable[[Sequence[int]], float]  # KV lengths of one decode step -> seconds
 
 UNIT_WEIGHTS_TOKENS = 4096  # the default's fixed part, in KV tokens read
@@ -56,6 +60,23 @@ class RecomputedStep:
 
     def add(self, length: int) -> None:
         self.lengths.append(length)
+
+
+RunTimes = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def run_times(step_time: StepTime) -> RunTimes | None:
+    """The model's vectorised form where it offers one for its kernel: a
+    ``decode_step_times(num, total, longest)`` method (on ``step_time``, or on the object
+    whose bound method it is, as scheduler/cost_model.py's ``CostModel.iteration_time``)
+    giving the steps of ``num`` seqs holding ``total`` KV tokens, the longest ``longest``,
+    as ``step_time`` would; else None."""
+    owner = step_time if hasattr(step_time, "decode_step_times") else getattr(
+        step_time, "__self__", None)
+    times = getattr(owner, "decode_step_times", None)
+    if times is None or getattr(owner, "kernel", None) not in VECTORISED_KERNELS:
+        return None
+    return times
 
 
 def growing_step(step_time: StepTime, lengths: Sequence[int],

@@ -62,23 +62,6 @@ def bubble(iterations: Sequence[IterationRecord], cost: CostModel) -> Bubble:
     return Bubble(padded, real, imbalance / total if total else math.nan, len(steps))
 
 
-def step_times(cost: CostModel, num: np.ndarray, total: np.ndarray,
-               longest: np.ndarray) -> np.ndarray:
-    """``cost.iteration_time`` of decode steps of ``num`` seqs holding ``total`` KV tokens,
-    the longest ``longest``, for many steps at once (padded and split-K kernels; the
-    per-seq kernels' waves need each seq's length, ``ValueError``). Steps of no seqs take 0."""
-    if cost.kernel not in ("padded", "split-k"):
-        raise ValueError(f"kernel ({cost.kernel!r}) must be padded or split-k here")
-    g, p = cost.geometry, cost.params
-    kvb = cost.kv_bytes_per_token
-    mem = cost.weight_bytes + (0.0 if cost.kernel == "padded" else total * kvb)
-    flops = (g.dense_flops_per_token + g.lm_head_flops) * num + cost._attn_flops * total
-    imbalance = num * longest * kvb if cost.kernel == "padded" else 0.0 * num
-    times = (p.step_overhead + p.per_seq_overhead * num + p.imbalance_scale * imbalance
-             / cost._bw + np.maximum(mem / cost._bw, flops / cost._rate))
-    return np.where(num > 0, times, 0.0)
-
-
 def search_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
                        block_size: int, max_batch_size: int) -> float:
     """The least decode time of a static schedule found by the search (module docstring)."""
@@ -121,8 +104,8 @@ def _batch_time(reqs: Sequence[WorkloadRequest], cost: CostModel) -> float:
     k = np.arange(int(steps.max()))[:, None]
     active = k < steps[None, :]
     length = np.where(active, first[None, :] + k, 0)
-    return float(step_times(cost, active.sum(axis=1), length.sum(axis=1),
-                            length.max(axis=1)).sum())
+    return float(cost.decode_step_times(active.sum(axis=1), length.sum(axis=1),
+                                      length.max(axis=1)).sum())
 
 
 def _partition(reqs: Sequence[WorkloadRequest], cost: CostModel, num_blocks: int,
@@ -157,7 +140,7 @@ def _partition(reqs: Sequence[WorkloadRequest], cost: CostModel, num_blocks: int
             num += active
             total += np.where(active, length, 0)
             longest = np.where(active, np.maximum(longest, length), longest)
-            cand = best[i] + float(step_times(cost, num, total, longest).sum())
+            cand = best[i] + float(cost.decode_step_times(num, total, longest).sum())
             if cand < best[j + 1]:
                 best[j + 1], back[j + 1] = cand, i
     cuts = [n]
@@ -178,6 +161,6 @@ def ideal_decode_time(workload: Workload, cost: CostModel, num_blocks: int,
         length = first + np.arange(num)
         fits = np.maximum(1, np.minimum(max_batch_size,
                                         num_blocks // np.ceil(length / block_size)))
-        per_token = step_times(cost, fits, fits * length, length) / fits
+        per_token = cost.decode_step_times(fits, fits * length, length) / fits
         total += float(per_token.sum())
     return total

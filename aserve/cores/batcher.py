@@ -52,6 +52,7 @@ class BatcherCore(Core):
         # what the staging buffer cannot take stays in the host pool and is copied straight
         # to decode when admitted, so no request is too big to batch.
         self.batch_blocks = int(self.num_decode_blocks * self.sched.batch_kv_fraction)
+        self.policy.batch_room = (self.batch_blocks, self.sched.max_batch_size)
         self.seqs: dict[str, SeqState] = {}
         self.windows: dict[int, Window] = {}
         self.pending: set[int] = set()  # instances whose window wants a matching pass

@@ -89,6 +89,7 @@ class DecodeCore(Core):
             self._forward_next = False
             return self.forward(now) or None  # an eviction's moves: then a new boundary
         if not (self.running or self.cand_requests or self.cand_batch):
+            self.wiring.holds_may_change()  # the last seqs ended: a hold may lift
             return None  # idle
         moves = self.boundary(now)
         self._forward_next = True

@@ -49,7 +49,7 @@ class Lifecycle:
         self.on_finish: Callable[[SeqState], None] = lambda seq: None  # the driver's bookkeeping
         self.num_finished = 0
         self.retried: set[str] = set()  # seqs whose forward failed once (`retry_once`)
-        # live seqs with their first token and not their second (`Policy.holds_prefill`),
+        # live seqs with their first token and not their second (`Policy.prefill_quota`),
         # and what a seq leaving that set calls (the wiring's: held prefills look again)
         self.unstarted: set[str] = set()
         self.on_started: Callable[[], None] = lambda: None

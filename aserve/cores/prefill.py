@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from aserve.cores.base import Core, Forward, Move, Pooled
@@ -14,8 +15,17 @@ from scheduler.policy import PREFILL_PASSES
 # forward pass; each prefilled request's KV then goes to the host pool, in order, while the
 # pool has room (backpressure: no prefill starts while an offload waits for room). In
 # arrival order, or shortest first where the policy asks (`Policy.prefills_shortest_first`)
-# and the device also decodes; there the policy may also hold the next prefill back while
-# enough prefilled requests wait for their first decode step (`Policy.holds_prefill`).
+# and the device also decodes; there the policy also says how many of the waiting prompts
+# may go now, holding back those that would not start decoding soon (`Policy.prefill_quota`).
+
+
+@dataclass(slots=True)
+class Place:
+    """A waiting seq's place in a shortest-first line (``PrefillCore._shortest_first``)."""
+
+    mark: int  # its submission's number
+    passed: int | None = None  # the submissions' count when a prefill first passed it over
+    overtaken: int = 0  # prefills since then that took a seq submitted after that
 
 
 class PrefillCore(Core):
@@ -28,23 +38,26 @@ class PrefillCore(Core):
         self.prefilling: list[SeqState] = []  # the forward in flight
         config = ctx.config
         self.shares_device = config.prefill_devices[index] in config.decode_devices
-        # prefills in which later arrivals overtook a waiting seq, by id (shortest first)
-        self.overtaken: dict[str, int] = {}
+        # each waiting seq's place in line, by id (shortest first)
+        self.places: dict[str, Place] = {}
+        self.num_submitted = 0
 
     def submit(self, seq: SeqState, front: bool = False) -> None:
         """A new (or recompute-evicted) request; `front` puts it first in line."""
         self.life.transition(seq, SeqStatus.WAITING)
         (self.waiting.appendleft if front else self.waiting.append)(seq)
         if self.shares_device:
-            self.overtaken[seq.seq_id] = PREFILL_PASSES if front else 0
+            self.num_submitted += 1
+            self.places[seq.seq_id] = Place(self.num_submitted,
+                                            overtaken=PREFILL_PASSES if front else 0)
 
     def reap(self, now: float) -> None:
         """Ends the waiting seqs an abort asked to end (they hold no KV)."""
         num = len(self.waiting)
         self.waiting = deque(self.life.reap(list(self.waiting), now))
         if len(self.waiting) < num:
-            self.overtaken = {s.seq_id: self.overtaken[s.seq_id] for s in self.waiting
-                              if s.seq_id in self.overtaken}
+            self.places = {s.seq_id: self.places[s.seq_id] for s in self.waiting
+                           if s.seq_id in self.places}
             self._left()
 
     def _left(self) -> None:
@@ -70,22 +83,33 @@ class PrefillCore(Core):
         return self.forward(now) if self.waiting and not self.held() else None
 
     def held(self) -> bool:
-        """Whether the policy holds the next prefill back (`Policy.holds_prefill`), where
+        """Whether the policy holds the next prefill back (`Policy.prefill_quota`), where
         the device also decodes; the wiring wakes this instance when that may change."""
-        if not self.shares_device:
-            return False
-        running = sum(len(d.core.running) for d in self.wiring.decodes)
-        return self.policy.holds_prefill(len(self.life.unstarted), running)
+        return bool(self.waiting) and self.quota() == 0
+
+    def quota(self) -> int:
+        """How many waiting prompts, in line, the next prefill may take
+        (`Policy.prefill_quota` where the device also decodes; else all)."""
+        if not self.shares_device or not self.waiting:
+            return len(self.waiting)
+        if self.policy.prefills_shortest_first():
+            self._shortest_first()
+        running = [s.num_tokens for d in self.wiring.decodes for s in d.core.running]
+        # each prompt as it would be pooled: with its first token
+        waiting = [(s.num_tokens + 1, self.kv.blocks_for(s.num_tokens + 1),
+                    s.request.arrival_time) for s in self.waiting]
+        return self.policy.prefill_quota(len(self.life.unstarted), running, waiting)
 
     def forward(self, now: float) -> Forward | None:
-        """The next packed prefill: waiting seqs up to the token budget whose KV fits."""
+        """The next packed prefill: waiting seqs, in line (``quota`` puts them in line),
+        up to the token budget and the policy's quota, whose KV fits."""
         self.reap(now)
         shortest_first = self.shares_device and self.policy.prefills_shortest_first()
-        if shortest_first:
-            self._shortest_first()
+        quota = self.quota()
         budget = self.sched.max_prefill_tokens
+        latest = 0  # the latest submission prefilled
         batch: list[SeqState] = []
-        while self.waiting:
+        while self.waiting and len(batch) < quota:
             seq = self.waiting[0]
             if batch and seq.num_tokens > budget:
                 break
@@ -95,12 +119,13 @@ class PrefillCore(Core):
                 assert batch, f"{seq.seq_id} does not fit the empty {self.name} store"
                 break
             batch.append(self.waiting.popleft())
-            self.overtaken.pop(seq.seq_id, None)
+            place = self.places.pop(seq.seq_id, None)
+            latest = max(latest, place.mark if place is not None else 0)
             budget -= seq.num_tokens
         if not batch:
             return None
         if shortest_first:
-            self._count_overtakes(batch)
+            self._count_overtakes(latest)
         self.prefilling = batch
         for seq in batch:
             self.life.transition(seq, SeqStatus.PREFILLING)
@@ -111,19 +136,30 @@ class PrefillCore(Core):
         """Puts the waiting seqs in line: those overtaken in ``PREFILL_PASSES`` prefills
         first, in line as they were, then the rest shortest first (ties in line order).
         Forgets the seqs that left the line otherwise (reaped, or moved by a driver)."""
-        self.overtaken = {s.seq_id: self.overtaken[s.seq_id] for s in self.waiting}
-        due = [s for s in self.waiting if self.overtaken[s.seq_id] >= PREFILL_PASSES]
-        rest = sorted((s for s in self.waiting if self.overtaken[s.seq_id] < PREFILL_PASSES),
+        self.places = {s.seq_id: self.places[s.seq_id] for s in self.waiting}
+        due = [s for s in self.waiting if self.places[s.seq_id].overtaken >= PREFILL_PASSES]
+        rest = sorted((s for s in self.waiting
+                       if self.places[s.seq_id].overtaken < PREFILL_PASSES),
                       key=lambda s: s.num_tokens)
         self.waiting = deque(due + rest)
 
-    def _count_overtakes(self, batch: list[SeqState]) -> None:
-        """``batch`` leaves the line: every waiting seq that arrived before its latest
-        arrival was overtaken once more."""
-        latest = max(seq.request.arrival_time for seq in batch)
+    def _count_overtakes(self, latest: int) -> None:
+        """A prefill left the line, ``latest`` the number of its latest submission: every
+        waiting seq that an earlier prefill passed over already, and that a seq submitted
+        since then overtook, was overtaken once more.
+
+        NOTE: a backlog submitted at once (offline) has distinct arrival stamps, in the
+        order it was submitted; counted by arrival alone, every prompt of it was overtaken
+        by later ones in its first prefills, and it went on in arrival order. Its prompts
+        were all in line at the first prefill that passed them over, so none overtakes
+        another: it drains shortest first, while under a stream a prompt passed over still
+        goes first once later arrivals took ``PREFILL_PASSES`` prefills before it."""
         for seq in self.waiting:
-            if seq.request.arrival_time < latest:
-                self.overtaken[seq.seq_id] += 1
+            place = self.places[seq.seq_id]
+            if place.passed is None:
+                place.passed = self.num_submitted
+            elif latest > place.passed:
+                place.overtaken += 1
 
     def finish(self, step: Forward, token_ids: list[int | None],
                logprobs: list[float | None], now: float, forward_time: float,

@@ -85,17 +85,18 @@ class Wiring:
 
     def started(self) -> None:
         """A prefilled request got its second token (or ended): a prefill the policy held
-        back (`Policy.holds_prefill`) may go on."""
+        back (`Policy.prefill_quota`) may go on."""
         for prefill in self.prefills:
             if prefill.core.waiting:
                 prefill.wake()
         self.holds_may_change()
 
     def holds_may_change(self) -> None:
-        """What a prefill's hold (`Policy.holds_prefill`) weighs may have changed: the
-        decode instances' running seqs (asked at each of their boundaries and admissions)
-        or the prefilled requests waiting for their second token (asked when one starts,
-        and seen at the next boundary when one is prefilled). Where the hold turned on or
+        """What a prefill's hold (`Policy.prefill_quota`) weighs may have changed: the
+        decode instances' running seqs (asked at each of their boundaries and admissions,
+        and once the last ones ended) or the prefilled requests waiting for their second
+        token (asked when one starts, and seen at the next boundary when one is prefilled).
+        Where the hold turned on or
         off, the prefill looks again, and so does the batcher, whose policy may wait for
         the prompts a prefill that is not held brings (`Policy.incoming`).
 

@@ -1,4 +1,4 @@
-"""The wiring wakes a prefill the policy holds back (`Policy.holds_prefill`), and the
+"""The wiring wakes a prefill the policy holds back (`Policy.prefill_quota`), and the
 batcher that may wait for its prompts (`Policy.incoming`), whenever the hold turns on or
 off, whatever turned it: a request starting, or seqs entering or leaving a decode
 instance. Missed, the two waited for each other and requests were never served."""

@@ -4,9 +4,15 @@ allows, whatever a request count would ask."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
+import pytest
+
 from scheduler import PolicyConfig, SeqView, get_policy
+from scheduler.cost_model import CostModel, CostParams, get_geometry
+from scheduler.hardware import get_hardware
+from scheduler.step_time import run_times
 
 
 def padded(overhead: float):  # type: ignore[no-untyped-def]
@@ -55,3 +61,21 @@ def test_where_a_spread_costs_nothing_the_oldest_go_first() -> None:
     lengths = [900, 40, 41, 42, 43, 44]
     policy = pool(lambda ls: 1e-6 * (4096 + sum(ls)), lengths)  # paged, split-K
     assert policy.next_batch(100, 2, 0.0) == ["s0", "s1"]
+
+
+@pytest.mark.parametrize("kernel", ["padded", "split-k"])
+def test_the_cut_with_the_models_vectorised_steps_is_the_cut_step_by_step(
+        kernel: str) -> None:
+    """With a cost model's own step time (``CostModel.iteration_time``) the cut prices a
+    batch's every extension at once (``run_times``); it cuts where pricing each extension
+    in turn cuts, over pools, rooms and slots of every size."""
+    cost = CostModel(get_geometry("opt-1.3b"), get_hardware("h100"), CostParams(), kernel)
+    fast = get_policy("aligned", PolicyConfig(), cost.iteration_time)
+    slow = get_policy("aligned", PolicyConfig(), lambda ls: cost.iteration_time(ls))
+    assert run_times(fast.step_time) is not None and run_times(slow.step_time) is None
+    rng = random.Random(kernel)
+    for _ in range(100):
+        lengths = sorted(rng.randint(1, 4000) for _ in range(rng.randint(0, 100)))
+        items = [(n, f"s{i}", -(-n // 16)) for i, n in enumerate(lengths)]
+        room = (rng.randint(1, 4000), rng.randint(1, 120))
+        assert fast._first_cut(items, *room) == slow._first_cut(items, *room)

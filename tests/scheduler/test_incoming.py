@@ -1,9 +1,9 @@
 """`aligned` forms no new batch while requests on their way to the pool on a device that
 also decodes (`Policy.incoming`) could join it, where a spread of lengths costs; such a
 device prefills shortest first, a prompt overtaken by later arrivals for `PREFILL_PASSES`
-prefills first, and holds prefill back while enough prefilled requests wait for their first
-decode step (`Policy.holds_prefill`); and the simulated cluster does all three only where
-prefill and decode share a device."""
+prefills first, and prefills a prompt only when it would start decoding soon
+(`Policy.prefill_quota`); and the simulated cluster does all three only where prefill and
+decode share a device."""
 
 from __future__ import annotations
 
@@ -91,24 +91,38 @@ def backlog(devices: dict[str, tuple[str, ...]], max_batch_size: int = 32
             min(decodes) < prefills[-1].start_time)
 
 
-def test_a_shared_device_prefills_a_backlog_shortest_first_and_decodes_meanwhile(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shared_device_prefills_a_backlog_shortest_first_and_decodes_meanwhile() -> None:
     arrival, prefilled, overlap = backlog({})  # one "cpu" for both
     assert prefilled == sorted(arrival) and prefilled != arrival
-    assert overlap  # paced: the first PREFILL_LEAD prompts decode before the rest
-    with monkeypatch.context() as m:
-        m.setattr(AlignedPolicy, "holds_prefill", lambda self, unstarted, running: False)
-        _, _, overlap = backlog({})
-    assert not overlap  # every pooled request fits one batch: the rest could join it
+    assert not overlap  # the pool's cut takes the whole backlog as one batch
     _, _, overlap = backlog({}, max_batch_size=8)
     assert overlap  # the 8 shortest decode while the longer prompts are prefilled
     arrival, prefilled, _ = backlog({"prefill_devices": ("p0",), "decode_devices": ("d0",)})
     assert prefilled == arrival  # apart: arrival order, as every other policy
 
 
+def test_a_backlog_submitted_at_once_is_prefilled_shortest_first_to_its_end() -> None:
+    """Submitted together, a backlog's requests carry distinct arrival stamps in the order
+    they were submitted, yet none arrived after a prefill passed another over: none is
+    overtaken, and every prefill takes the shortest prompts left, however many prefills
+    the backlog takes (counted by arrival stamps alone, it went on in arrival order after
+    `PREFILL_PASSES` prefills)."""
+    load = synthetic(60, short_ratio=0.5, short_range=(16, 200), long_range=(200, 400),
+                     output_range=(8, 16), seed=4)
+    cluster = ClusterConfig.create(num_decode_blocks=2000, num_prefill_blocks=128,
+                                   num_staging_blocks=2000, num_host_blocks=4000,
+                                   max_prefill_tokens=128, min_requests=4, max_batch_size=64)
+    result = simulate(load, "aligned", cluster, cost_model("padded"))
+    assert result.num_finished == 60
+    assert len(result.prefill_iterations) > 4 * PREFILL_PASSES
+    prefilled = [n for it in result.prefill_iterations for n in it.lengths]
+    assert prefilled == sorted(r.prompt_len for r in load.requests)
+
+
 def test_a_prompt_overtaken_by_later_arrivals_waits_a_bounded_number_of_prefills() -> None:
     """A long prompt behind a stream of shorter ones: shortest first would leave it for
-    last; it goes once later arrivals have overtaken it in `PREFILL_PASSES` prefills."""
+    last; it goes once arrivals later than the first prefill that passed it over have
+    overtaken it in `PREFILL_PASSES` prefills."""
     reqs = [WorkloadRequest("long", 300, 4, 0.0), WorkloadRequest("first", 20, 4, 0.0),
             *(WorkloadRequest(f"s{i}", 20, 4, 1e-4 * (i + 1)) for i in range(40))]
     cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
@@ -120,8 +134,8 @@ def test_a_prompt_overtaken_by_later_arrivals_waits_a_bounded_number_of_prefills
     first = next(e.time for e in result.events
                  if e.kind == "first_token" and e.seq_id == "long")
     before = [it.lengths for it in result.prefill_iterations if it.start_time < first]
-    # "first" (in line behind "long") and the stream overtake it PREFILL_PASSES times
-    assert before[:-1] == [(20,), *([(20, 20, 20)] * (PREFILL_PASSES - 1))]
+    # "first" (in line with "long" then) passes it over; the stream overtakes it
+    assert before[:-1] == [(20,), *([(20, 20, 20)] * PREFILL_PASSES)]
     assert before[-1] == (300,)
     assert len(result.prefill_iterations) > len(before) + 3  # the stream went on after it
 
@@ -178,8 +192,19 @@ def unstarted_at_prefills(result: SimResult) -> list[int]:
     return counts
 
 
-def test_a_backlog_is_prefilled_paced_to_its_decode_steps(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def held_and_not(load: Workload, cluster: ClusterConfig) -> tuple[SimResult, SimResult]:
+    """``load`` under `aligned` (padded steps), with its prefill quota and with every
+    waiting prompt let through (`Policy.prefill_quota` never holding)."""
+    held = simulate(load, "aligned", cluster, cost_model("padded"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(AlignedPolicy, "prefill_quota",
+                  lambda self, unstarted, running, waiting: len(waiting))
+        unheld = simulate(load, "aligned", cluster, cost_model("padded"))
+    assert held.num_finished == unheld.num_finished == load.num_requests
+    return held, unheld
+
+
+def test_a_backlog_is_prefilled_paced_to_its_decode_steps() -> None:
     """A backlog on a device that prefills and decodes (padded steps): no prefill starts
     while as many prefilled requests wait for their second token as run, and at least
     `PREFILL_LEAD`; so those requests no longer wait through the backlog between their first
@@ -189,12 +214,105 @@ def test_a_backlog_is_prefilled_paced_to_its_decode_steps(
     cluster = ClusterConfig.create(num_decode_blocks=400, num_prefill_blocks=128,
                                    num_staging_blocks=400, num_host_blocks=4000,
                                    max_prefill_tokens=256, min_requests=4, max_batch_size=24)
-    paced = simulate(load, "aligned", cluster, cost_model("padded"))
-    with monkeypatch.context() as m:
-        m.setattr(AlignedPolicy, "holds_prefill", lambda self, unstarted, running: False)
-        unpaced = simulate(load, "aligned", cluster, cost_model("padded"))
-    assert paced.num_finished == unpaced.num_finished == 120
+    paced, unpaced = held_and_not(load, cluster)
     widest = max(len(it.lengths) for it in paced.iterations)
     assert max(unstarted_at_prefills(paced)) < max(PREFILL_LEAD, widest)
     assert max(unstarted_at_prefills(unpaced)) > max(PREFILL_LEAD, widest) + 16
     assert paced.summary().tpot_p99 < 0.8 * unpaced.summary().tpot_p99
+
+
+def waits_for_second_token(result: SimResult) -> list[float]:
+    """Each request's wait between its first token and its second (those with two)."""
+    first: dict[str, float] = {}
+    second: dict[str, float] = {}
+    for e in sorted(result.events, key=lambda e: e.time):
+        if e.kind == "first_token":
+            first[e.seq_id] = e.time
+        elif e.kind == "token":
+            second.setdefault(e.seq_id, e.time)
+    return sorted(second[i] - first[i] for i in second)
+
+
+def short_and_long(rate: float | None = None) -> tuple[Workload, ClusterConfig]:
+    """60 prompts, 80 % of 16-64 tokens and the rest of 300-600, outputs of 32-128
+    tokens (arriving at once, or as a Poisson stream at ``rate``), on one device."""
+    load = synthetic(60, short_ratio=0.8, short_range=(16, 64), long_range=(300, 600),
+                     output_range=(32, 128), rate=rate, seed=3)
+    return load, ClusterConfig.create(num_decode_blocks=2000, num_prefill_blocks=128,
+                                      num_staging_blocks=2000, num_host_blocks=4000,
+                                      max_prefill_tokens=1024, min_requests=4,
+                                      max_batch_size=64)
+
+
+def test_a_prompt_no_running_batch_takes_is_prefilled_when_its_batch_comes() -> None:
+    """A backlog of short prompts and a few long ones with outputs of 32-128 tokens on a
+    device that prefills and decodes (padded steps): the long prompts join no batch of
+    short ones, and prefilled at once, they wait for their second token until the short
+    batch drains. Prefilled as their batch comes, no request waits so, P99 TPOT halves,
+    and decode throughput holds."""
+    held, unheld = held_and_not(*short_and_long())
+    assert max(waits_for_second_token(held)) < 0.25 * max(waits_for_second_token(unheld))
+    assert held.summary().tpot_p99 < 0.6 * unheld.summary().tpot_p99
+    assert held.summary().decode_throughput > 0.97 * unheld.summary().decode_throughput
+
+
+def quota_policy(step_time=padded):  # type: ignore[no-untyped-def]
+    """`aligned` with a batch room of 64 blocks and 8 requests and two short pooled
+    requests (blocks of 16 tokens)."""
+    policy = get_policy("aligned", PolicyConfig(starvation_threshold=None), step_time)
+    policy.batch_room = (64, 8)
+    for i, length in enumerate((40, 44)):
+        policy.add(SeqView(f"s{i}", length, -(-length // 16), 0.0))
+    return policy
+
+
+def prompts(*lengths: int, arrival: float = 0.0) -> list[tuple[int, int, float]]:
+    return [(n, -(-n // 16), arrival) for n in lengths]
+
+
+def test_the_quota_prefills_what_joins_the_running_batch_and_holds_the_rest() -> None:
+    policy = quota_policy()
+    running = [50] * 20
+    # no longer than the running seqs: refills; the long one after them waits
+    assert policy.prefill_quota(0, running, prompts(45, 48, 900)) == 2
+    assert policy.prefill_quota(0, running, prompts(900, 950)) == 0
+    # refills wait too once as many prefilled requests wait as run
+    assert policy.prefill_quota(len(running), running, prompts(45, 48)) == 0
+
+
+def test_the_quota_prefills_the_next_batch_once_the_running_batch_is_at_its_floor() -> None:
+    policy = quota_policy()  # pool: 40 and 44; a batch: 8 requests, 64 blocks
+    # nothing runs: the prompts the pool's next batch takes (its cut leaves 900 apart)
+    assert policy.prefill_quota(2, [], prompts(46, 50, 900)) == 2
+    # two seqs left of twenty-two: at the floor, the same
+    assert policy.prefill_quota(2, [60, 61], prompts(46, 50, 900)) == 2
+    # the whole next batch is pooled (950 does not fit beside it): nothing until it starts
+    assert policy.prefill_quota(2, [], prompts(950, 1000)) == 0
+
+
+def test_the_quota_prefills_the_next_batch_where_it_would_join_the_running_one() -> None:
+    """Where a step's fixed part outweighs its padding, a batch of long seqs joins a
+    running batch of short ones (`mixing_pays`): its prompts are prefilled at once."""
+    def fixed(lengths: Sequence[int]) -> float:  # padded, with a large fixed part
+        return 1e-6 * (10**7 + len(lengths) * max(lengths, default=0))
+    policy = quota_policy(fixed)
+    for n in range(2, 8):
+        policy.add(SeqView(f"s{n}", 900, 57, 0.0))
+    assert policy.prefill_quota(0, [50] * 20, prompts(900, 950)) > 0
+
+
+def test_the_quota_lets_an_overtaken_prompt_wait_for_the_lead_only() -> None:
+    policy = quota_policy()
+    running = [50] * 20
+    # a long prompt first in line, before the shortest: overtaken by later arrivals
+    assert policy.prefill_quota(0, running, prompts(900, 45, 48)) == 1
+    assert policy.prefill_quota(max(PREFILL_LEAD, 20), running, prompts(900, 45)) == 0
+
+
+def test_under_a_stream_prompts_are_prefilled_as_they_come() -> None:
+    """The same prompts arriving as a Poisson stream: a prompt that arrived after the
+    running batch started is no backlog that batch passed over, and holding it would move
+    its wait onto its first token (P99 TTFT many times fcfs's). Its first token comes as
+    it would with no hold."""
+    held, unheld = held_and_not(*short_and_long(rate=40.0))
+    assert held.summary().ttft_p99 <= 1.05 * unheld.summary().ttft_p99

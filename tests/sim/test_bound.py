@@ -15,7 +15,6 @@ from sim.bound import (
     ideal_decode_time,
     output_blind_decode_time,
     search_decode_time,
-    step_times,
 )
 
 
@@ -44,8 +43,8 @@ def one_batch(w: Workload, cost: CostModel) -> float:
 def test_step_times_are_the_cost_models(kernel: str) -> None:
     cost = model(kernel)
     for lengths in ([100] * 5 + [900], [33], [50, 60, 70] * 10):
-        got = step_times(cost, np.array([len(lengths)]), np.array([sum(lengths)]),
-                         np.array([max(lengths)]))[0]
+        got = cost.decode_step_times(np.array([len(lengths)]), np.array([sum(lengths)]),
+                                     np.array([max(lengths)]))[0]
         assert got == pytest.approx(cost.iteration_time(lengths), rel=1e-12)
 
 

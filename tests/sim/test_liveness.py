@@ -61,7 +61,7 @@ def clusters(draw: st.DrawFn, workload: Workload) -> ClusterConfig:
     blocks = [-(-(r.prompt_len + r.output_len) // BLOCK_SIZE) for r in workload.requests]
     need, total = max(blocks), sum(blocks)
     # a device of its own for each instance, or one that prefills and decodes (where a
-    # policy may pace prefill to the decode steps: `Policy.holds_prefill`)
+    # policy may pace prefill to the decode steps: `Policy.prefill_quota`)
     devices = draw(st.sampled_from([{"prefill_devices": ("p0",), "decode_devices": ("d0",)},
                                     {"prefill_devices": ("d0",), "decode_devices": ("d0",)}]))
     return ClusterConfig.create(
@@ -104,7 +104,7 @@ def test_every_request_finishes_under_every_policy(data: st.DataObject, policy: 
 def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
     """Seed 20's member 11 of the bench's family (225 requests, padded steps under the CPU
     cost model, one device that prefills and decodes): evicted seqs coming back lifted
-    `aligned`'s prefill hold (`Policy.holds_prefill`) with no request starting, the
+    `aligned`'s prefill hold (`Policy.prefill_quota`) with no request starting, the
     prefill slept, and the batcher waited for its prompts; 69 requests were never served
     (the wiring looks at the hold whenever the running seqs change)."""
     from bench.family import sample_family
