@@ -96,9 +96,9 @@ class Wiring:
         decode instances' running seqs (asked at each of their boundaries and admissions,
         and once the last ones ended) or the prefilled requests waiting for their second
         token (asked when one starts, and seen at the next boundary when one is prefilled).
-        Where the hold turned on or
-        off, the prefill looks again, and so does the batcher, whose policy may wait for
-        the prompts a prefill that is not held brings (`Policy.incoming`).
+        Where the hold turned on or off, the prefill looks again, and so does the batcher,
+        whose policy may wait for the prompts a prefill that is not held brings
+        (`Policy.incoming`).
 
         NOTE: liveness. Seqs admitted to a decode instance that are not among the waiting
         requests (evicted ones coming back) lift a hold without any request starting; the
