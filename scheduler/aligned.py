@@ -264,8 +264,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         - while the running batch is above its ``drain_floor`` (of the running seqs and
           those prefilled and not started): those it would take as refills (``_joins``),
           or the pool's next batch (``_next_batch``) where that batch would join it
-          (``mixing_pays``); none while as many as it runs, and at least
-          ``PREFILL_LEAD``, wait for their first decode step;
+          (``mixing_pays``); none while as many prefilled requests wait for their first
+          decode step as it runs (and at least ``PREFILL_LEAD``): the lead;
         - once it is at its floor (or nothing runs): the pool's next batch.
 
         Only a backlog that the running batch passed over is held so: while a prompt that
