@@ -83,10 +83,16 @@ def _first_cut_vectorised(times: RunTimes, items: Sequence[tuple[int, object, in
         better = cand < best[i + 1:end + 1]
         best[i + 1:end + 1][better] = cand[better]
         back[i + 1:end + 1][better] = i
-    last = n
-    while math.isinf(best[last]) and last > 0:  # the span's last requests may not fit
-        last -= 1
-    first = last
+    return _first_batch(best.tolist(), back.tolist())
+
+
+def _first_batch(best: Sequence[float], back: Sequence[int]) -> int:
+    """The size of the first batch of the cheapest cut that the dynamic program's least
+    costs ``best`` and back-pointers ``back`` (both by items covered) give."""
+    end = len(best) - 1
+    while math.isinf(best[end]) and end > 0:  # the span's last requests may not fit
+        end -= 1
+    first = end
     while back[first] > 0:
         first = int(back[first])
     return int(first)
@@ -120,9 +126,9 @@ class AlignedPolicy(AlignedStrictPolicy):
         # key -> (its wait_start, boundaries waited, the tick it was last seen)
         self._waits: dict[tuple[str, object], tuple[float, int, int]] = {}
         self._tick = 0  # plan_boundary calls so far
-        # the first batch's size in the cut of the pool and the waiting prompts, by their
-        # lengths and blocks (``_next_batch``)
-        self._first_cuts: dict[tuple[object, ...], int] = {}
+        # the last cut of the pool and the waiting prompts (``_next_batch``): what it cut
+        # (their lengths and blocks, the room, the model) and its first batch's size
+        self._last_cut: tuple[tuple[object, ...], int] | None = None
         # the decode instances' running batch (``current_batch_id``) and the time its first
         # boundary was seen (``prefill_quota``; none yet: a backlog before its first batch)
         self._batch: int | None = None
@@ -149,17 +155,24 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def _begin(self, slots: int) -> None:
         """A decision starts: its cost figures are taken afresh where the model changed."""
-        self._slots = max(self._slots, slots)
-        key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
-        changed = key != self._line_key
-        if changed:
-            self._line, self._line_key = None, key
-            self._pays.clear()
+        changed = self._model_changed(slots)
         self._refill = None
         self._running_step = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
         # is costed at every boundary while it waits) unless the model changed
         self._last_times, self._times = ({}, {}) if changed else (self._times, {})
+
+    def _model_changed(self, slots: int) -> bool:
+        """Whether the model (or the slots, at least ``slots``) changed since the cost
+        figures that depend on it were taken; if so, they are dropped."""
+        self._slots = max(self._slots, slots)
+        key = (self.step_time, getattr(self.step_time, "num_fits", 0), self._slots)
+        if key == self._line_key:
+            return False
+        self._line, self._line_key = None, key
+        self._pays.clear()
+        self._times, self._last_times = {}, {}
+        return True
 
     def _time(self, lengths: Sequence[int]) -> float:
         """``step_time``, each batch costed once within a decision (and the one before)."""
@@ -258,8 +271,8 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def prefill_quota(self, num_unstarted: int, running: Sequence[int],
                       waiting: Sequence[tuple[int, int, float]]) -> int:
-        """Where prefill goes shortest first (``prefills_shortest_first``), the prompts
-        that start decoding soon once prefilled:
+        """The prompts that start decoding soon once prefilled (asked where prefill goes
+        shortest first, ``prefills_shortest_first``):
 
         - while the running batch is above its ``drain_floor`` (of the running seqs and
           those prefilled and not started): those it would take as refills (``_joins``),
@@ -284,8 +297,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         as it would. Under a stream the wait would fall on a new arrival's first token
         instead (P99 TTFT many times fcfs's on a loaded device), so there prompts are
         prefilled as they come, paced by the lead."""
-        if not waiting or not self.prefills_shortest_first():
-            return len(waiting)
+        if not waiting:
+            return 0
         lead = max(PREFILL_LEAD, len(running)) > num_unstarted
         shortest = min(length for length, _, _ in waiting)
         due = next(i for i, (length, _, _) in enumerate(waiting) if length == shortest)
@@ -308,8 +321,11 @@ class AlignedPolicy(AlignedStrictPolicy):
                ) -> int:
         """How many of the ``waiting`` prompts, in order, a running batch of ``running``
         lengths would take as refills (each joining it ``waste``s no more per token than
-        the batch with the ones before it)."""
-        self._begin(self._slots)
+        the batch with the ones before it).
+
+        NOTE: asked between decisions (at every boundary while a prefill may be held), so it
+        keeps the decisions' step times (``_begin`` would put the last one's aside)."""
+        self._model_changed(self._slots)
         lengths = list(running)
         step = growing_step(self.step_time, lengths, self._time)
         size, total = len(lengths), sum(lengths)
@@ -342,11 +358,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         items = list(heapq.merge(pool, tagged, key=lambda item: item[0]))[:span]
         key = (tuple((length, blocks) for length, _, blocks in items), room,
                self.step_time, getattr(self.step_time, "num_fits", 0))
-        first = self._first_cuts.get(key)
-        if first is None:
-            self._begin(room[1])
+        if self._last_cut is not None and self._last_cut[0] == key:
+            first = self._last_cut[1]
+        else:
             first = self._first_cut(items, *room)
-            self._first_cuts = {key: first}
+            self._last_cut = (key, first)
         return (sum(1 for item in items[:first] if item[1] is None),
                 [item[0] for item in items[:first]])
 
@@ -440,13 +456,7 @@ class AlignedPolicy(AlignedStrictPolicy):
                 cand = best[i] + step.time()
                 if cand < best[j + 1]:
                     best[j + 1], back[j + 1] = cand, i
-        end = n
-        while math.isinf(best[end]) and end > 0:  # the span's last requests may not fit
-            end -= 1
-        first = end
-        while back[first] > 0:
-            first = back[first]
-        return first
+        return _first_batch(best, back)
 
     # -- the boundary --------------------------------------------------------------------
     def plan_boundary(self, view: BoundaryView) -> BoundaryPlan:

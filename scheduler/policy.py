@@ -114,11 +114,12 @@ class Policy(ABC):
     def prefill_quota(self, num_unstarted: int, running: Sequence[int],
                       waiting: Sequence[tuple[int, int, float]]) -> int:
         """How many of the ``waiting`` prompts a prefill instance whose device also decodes
-        may prefill now, in the order it takes them (0 holds the prefill back), with
-        ``num_unstarted`` requests prefilled and waiting for their first decode step
-        (their second token) and ``running`` the lengths of the seqs in the decode
-        instances' running batches; ``waiting`` holds each prompt's length and KV blocks
-        once prefilled (with its first token, as the pool would hold it) and its arrival.
+        and that prefills shortest first (``prefills_shortest_first``) may prefill now, in
+        the order it takes them (0 holds the prefill back), with ``num_unstarted``
+        requests prefilled and waiting for their first decode step (their second token)
+        and ``running`` the lengths of the seqs in the decode instances' running batches;
+        ``waiting`` holds each prompt's length and KV blocks once prefilled (with its first
+        token, as the pool would hold it) and its arrival.
         Asked again at each decode boundary and once one of those requests gets its second
         token. All by default: a backlog is prefilled as fast as the pool takes it."""
         return len(waiting)

@@ -89,11 +89,11 @@ class PrefillCore(Core):
 
     def quota(self) -> int:
         """How many waiting prompts, in line, the next prefill may take
-        (`Policy.prefill_quota` where the device also decodes; else all)."""
-        if not self.shares_device or not self.waiting:
+        (`Policy.prefill_quota` where the device also decodes and prefill goes shortest
+        first; else all). Asked at every decode boundary: the lines are built only there."""
+        if not (self.shares_device and self.waiting and self.policy.prefills_shortest_first()):
             return len(self.waiting)
-        if self.policy.prefills_shortest_first():
-            self._shortest_first()
+        self._shortest_first()
         running = [s.num_tokens for d in self.wiring.decodes for s in d.core.running]
         # each prompt as it would be pooled: with its first token
         waiting = [(s.num_tokens + 1, self.kv.blocks_for(s.num_tokens + 1),
