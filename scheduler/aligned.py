@@ -105,6 +105,7 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     name = "aligned"
     uses_step_cost = True
+    arrival_admission_is_strict = False  # see ``_plan_in_arrival_order``
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(msgspec.structs.replace(config, max_spread=None))
@@ -561,11 +562,12 @@ class AlignedPolicy(AlignedStrictPolicy):
         return (self._time([*now, *part]) + self._time(rest)
                 <= self._time(now) + self._time([*part, *rest]))
 
-    @staticmethod
-    def _plan_in_arrival_order(view: BoundaryView) -> BoundaryPlan:
-        """The boundary where grouping cannot pay: short of room, evict the latest arrivals
-        first; otherwise admit the candidates (requests and batch together) oldest first,
-        past one that does not fit yet.
+    def _plan_in_arrival_order(self, view: BoundaryView) -> BoundaryPlan:
+        """The boundary where grouping cannot pay: short of room, evict in
+        ``arrival_victims`` order (the latest arrivals first); otherwise admit the
+        candidates (requests and batch together) in ``arrival_admissions`` order (the oldest
+        first), past one that does not fit yet (``arrival_admission_is_strict``: stopping
+        there, as fcfs does).
 
         NOTE: where a step costs its total work, every schedule reads the same KV, and what
         it pays beyond that is a step's fixed part per step. Arrival order bounds every
@@ -574,17 +576,27 @@ class AlignedPolicy(AlignedStrictPolicy):
         generated, admit the fewest generated first) saves some of a backlog's tail, but an
         evicted seq then waits behind every fresh seq of the backlog, and each such wait
         falls on a few tokens, so P99 TPOT rose well above fcfs's on most of the split-K
-        family (docs/results-policy.md). Admission passes a seq that does not fit yet,
-        unlike fcfs's, so the batch stays as wide as the blocks allow."""
-        plan = plan_boundary_with(view, lambda: by_arrival(view.running)[::-1], (),
-                                  by_arrival((*view.candidate_requests,
-                                              *view.candidate_batch)), is_strict=False)
+        family (docs/results-policy.md; benchmarks/test_bench_split_k_rules.py compares
+        such orders). Admission passes a seq that does not fit yet, unlike fcfs's, so the
+        batch stays as wide as the blocks allow."""
+        plan = plan_boundary_with(view, lambda: self.arrival_victims(view), (),
+                                  self.arrival_admissions(view),
+                                  is_strict=self.arrival_admission_is_strict)
         if plan.evict:
             return plan
         requests = {s.seq_id for s in view.candidate_requests}
         return BoundaryPlan(
             admit_requests=tuple(i for i in plan.admit_batch if i in requests),
             admit_batch=tuple(i for i in plan.admit_batch if i not in requests))
+
+    def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
+        """Eviction order where grouping cannot pay: the latest arrivals first."""
+        return by_arrival(view.running)[::-1]
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        """Admission order where grouping cannot pay: the candidate requests and the
+        candidate batch together, oldest first."""
+        return by_arrival((*view.candidate_requests, *view.candidate_batch))
 
     @staticmethod
     def _victims(view: BoundaryView) -> list[SeqView]:

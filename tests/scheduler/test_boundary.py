@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import BoundaryPlan, BoundaryView, PolicyConfig, SeqView, get_policy
-from scheduler.aligned import STALL_STEPS
+from scheduler.aligned import STALL_STEPS, AlignedPolicy
 from scheduler.batching import blocks_needed, blocks_to_admit
 
 BLOCK_SIZE = 16  # tokens per block in every scenario here
@@ -158,6 +158,32 @@ def test_aligned_serves_arrival_order_where_a_step_costs_its_total_work() -> Non
     # with room for both, both go in
     got = total_work.plan_boundary(view(running, 40, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
+
+
+def test_a_subclass_swaps_the_arrival_order_rule() -> None:
+    """A research policy overrides ``arrival_victims`` and ``arrival_admissions`` (as
+    benchmarks/test_bench_split_k_rules.py does) and the boundary follows them."""
+    class MostGeneratedFirst(AlignedPolicy):
+        def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
+            return sorted(view.running, key=lambda s: -s.num_output_tokens)
+
+        def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+            return sorted((*view.candidate_requests, *view.candidate_batch),
+                          key=lambda s: s.num_output_tokens)
+
+    def out(seq_view: SeqView, generated: int) -> SeqView:
+        return replace(seq_view, num_output_tokens=generated)
+
+    rule = MostGeneratedFirst(PolicyConfig())
+    running = [out(seq("long-early", 65, arrival=1.0), 2),
+               out(seq("short-done", 17, arrival=2.0), 40),
+               out(seq("mid-late", 33, arrival=3.0), 10)]
+    assert rule.plan_boundary(view(running, 2)).evict == ("short-done",)
+    running = [out(seq("r1", 100, 7), 20), out(seq("r2", 110, 7), 20)]
+    evicted = out(seq("evicted", 105, 7, arrival=1.0), 60)
+    fresh = out(seq("fresh", 60, 4, arrival=2.0, batch_id=CURRENT + 1), 1)
+    got = rule.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_batch=("fresh",))
 
 
 def test_aligned_admits_part_of_a_candidate_batch_only_where_the_part_pays() -> None:
