@@ -161,8 +161,9 @@ def test_aligned_serves_arrival_order_where_a_step_costs_its_total_work() -> Non
 
 
 def test_a_subclass_swaps_the_arrival_order_rule() -> None:
-    """A research policy overrides ``arrival_victims`` and ``arrival_admissions`` (as
-    benchmarks/test_bench_split_k_rules.py does) and the boundary follows them."""
+    """A research policy overrides ``arrival_victims``, ``arrival_admissions`` and
+    ``arrival_admission_is_strict`` (as benchmarks/test_bench_split_k_rules.py does) and
+    the boundary follows them."""
     class MostGeneratedFirst(AlignedPolicy):
         def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
             return sorted(view.running, key=lambda s: -s.num_output_tokens)
@@ -184,6 +185,11 @@ def test_a_subclass_swaps_the_arrival_order_rule() -> None:
     fresh = out(seq("fresh", 60, 4, arrival=2.0, batch_id=CURRENT + 1), 1)
     got = rule.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_batch=("fresh",))
+    # strict admission (fcfs's): the oldest, which does not fit yet, stops the rest
+    strict_rule = type("Strict", (AlignedPolicy,), {"arrival_admission_is_strict": True})
+    got = strict_rule(PolicyConfig()).plan_boundary(
+        view(running, 6, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan()
 
 
 def test_aligned_admits_part_of_a_candidate_batch_only_where_the_part_pays() -> None:
