@@ -29,6 +29,7 @@ from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
     SeqView,
+    blocks_to_admit,
     growth,
     plan_evictions,
     take_in_order,
@@ -136,18 +137,16 @@ class _GrowthKept(AlignedPolicy):
             return BoundaryPlan(evict=evict)
         left = view.free_blocks - growth(view.running, view.block_size, self.steps)
         slots = view.max_batch_size - len(view.running)
-        requests = {s.seq_id for s in view.candidate_requests}
         admitted: list[str] = []
         for seq in self.arrival_admissions(view):
-            need = max(seq.num_blocks, -(-(seq.length + self.steps) // view.block_size))
             if slots <= 0:
                 break
+            need = blocks_to_admit(seq, view.block_size, self.steps)
             if need <= left:
                 admitted.append(seq.seq_id)
                 left -= need
                 slots -= 1
-        return BoundaryPlan(admit_requests=tuple(i for i in admitted if i in requests),
-                            admit_batch=tuple(i for i in admitted if i not in requests))
+        return self._admitting(view, admitted)
 
 
 @register_policy

@@ -156,12 +156,13 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def _begin(self, slots: int) -> None:
         """A decision starts: its cost figures are taken afresh where the model changed."""
-        changed = self._model_changed(slots)
+        self._model_changed(slots)
         self._refill = None
         self._running_step = None
         # the last decision's step times stay at hand for one more (a staged candidate batch
-        # is costed at every boundary while it waits) unless the model changed
-        self._last_times, self._times = ({}, {}) if changed else (self._times, {})
+        # is costed at every boundary while it waits) unless the model changed (then both
+        # are empty)
+        self._last_times, self._times = self._times, {}
 
     def _model_changed(self, slots: int) -> bool:
         """Whether the model (or the slots, at least ``slots``) changed since the cost
@@ -584,10 +585,15 @@ class AlignedPolicy(AlignedStrictPolicy):
                                   is_strict=self.arrival_admission_is_strict)
         if plan.evict:
             return plan
+        return self._admitting(view, plan.admit_batch)
+
+    @staticmethod
+    def _admitting(view: BoundaryView, ids: Sequence[str]) -> BoundaryPlan:
+        """The plan that admits ``ids``, candidate requests and candidate batch seqs
+        alike, each from where it is staged."""
         requests = {s.seq_id for s in view.candidate_requests}
-        return BoundaryPlan(
-            admit_requests=tuple(i for i in plan.admit_batch if i in requests),
-            admit_batch=tuple(i for i in plan.admit_batch if i not in requests))
+        return BoundaryPlan(admit_requests=tuple(i for i in ids if i in requests),
+                            admit_batch=tuple(i for i in ids if i not in requests))
 
     def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
         """Eviction order where grouping cannot pay: the latest arrivals first."""
