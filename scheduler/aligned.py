@@ -363,7 +363,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         if self._last_cut is not None and self._last_cut[0] == key:
             first = self._last_cut[1]
         else:
-            first = self._first_cut(items, *room)
+            # NOTE: at least the shortest: where no batch's room holds it (a prompt of more
+            # blocks than ``batch_room`` allows), it is decoded on its own, not cut, and a
+            # hold for its batch would never end
+            first = max(1, self._first_cut(items, *room)) if items else 0
             self._last_cut = (key, first)
         return (sum(1 for item in items[:first] if item[1] is None),
                 [item[0] for item in items[:first]])

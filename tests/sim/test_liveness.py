@@ -121,6 +121,27 @@ def test_a_family_member_whose_prefill_hold_lifted_unseen_finishes() -> None:
     assert all(n == 0 for n in result.blocks_left.values())
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(("prompt", "output", "decode_blocks"),
+                         [(1, 1, 1), (31, 1, 2), (300, 20, 20)])
+def test_a_prompt_no_batch_holds_is_prefilled_on_a_shared_device(
+        policy: str, prompt: int, output: int, decode_blocks: int) -> None:
+    """One request that fits decode KV but not a batch's share of it (``batch_kv_fraction``
+    0.9, rounded down: 0 of 1 block, 1 of 2, 18 of 20), on a device that prefills and
+    decodes: `aligned`'s prefill hold waited for the pool's next batch, which no cut of a
+    too-big prompt gives, and the request was never prefilled."""
+    workload = Workload("big", (WorkloadRequest("r0", prompt, output, 0.0),))
+    config = ClusterConfig.create(
+        prefill_devices=("d0",), decode_devices=("d0",), block_size=BLOCK_SIZE,
+        num_decode_blocks=decode_blocks, num_prefill_blocks=decode_blocks,
+        num_staging_blocks=1, num_host_blocks=decode_blocks, max_prefill_tokens=CONTEXT,
+        max_batch_size=1, min_requests=1)
+    result = simulate(workload, policy, config, cost_model("per-seq"), record_tokens=False,
+                      max_events=1000)
+    assert result.num_finished == 1
+    assert all(n == 0 for n in result.blocks_left.values())
+
+
 # 14 prompts and outputs of up to 64 tokens: decode and prefill hold 11 blocks (the largest
 # request's 11), the staging buffer 1, the host pool 28 (29 % of all requests' blocks)
 FULL_STORES = ((116, 58), (96, 35), (16, 29), (110, 64), (68, 10), (111, 49), (68, 16),
