@@ -34,7 +34,7 @@ from scheduler.batching import (
     plan_evictions,
     take_in_order,
 )
-from scheduler.policy import register_policy
+from scheduler.policy import PolicyConfig, register_policy
 from sim import simulate
 from sim.cluster import ClusterConfig
 
@@ -163,9 +163,59 @@ class GrowthKept64(_GrowthKept):
     steps = 64
 
 
+class _ByProgressRate(AlignedPolicy):
+    """Each seq's progress rate: tokens generated over the time since its first token (when
+    it first entered the pool, ``wait_start``); the fastest evicted first, the slowest
+    admitted first. A processor-sharing order: it spreads a backlog's progress so that its
+    last seqs near their end together."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._first: dict[str, float] = {}  # seq id -> its first token's time
+
+    def add(self, seq: SeqView) -> None:
+        super().add(seq)
+        self._first.setdefault(seq.seq_id, seq.wait_start)
+
+    def rate(self, seq: SeqView, now: float) -> float:
+        since = now - self._first.setdefault(seq.seq_id, now)
+        return seq.num_output_tokens / since if since > 0 else math.inf
+
+    def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
+        return sorted(view.running, key=lambda s: (-self.rate(s, view.now), -s.arrival_time))
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        return sorted(_candidates(view), key=lambda s: (self.rate(s, view.now), s.arrival_time))
+
+
+@register_policy
+class SlowestProgressFirst(_ByProgressRate):
+    name = "rule-slowest-progress-first"
+    rule = ("slowest progress first: evict the most tokens per second since the first token, "
+            "admit the fewest first")
+
+
+@register_policy
+class SlowestProgressStallBound(_ByProgressRate):
+    name = "rule-slowest-progress-stall-bound"
+    rule = ("the same, an evicted seq first once its wait passes 5 % of its time from its "
+            "first token to the eviction")
+    stall_share = 0.05
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        def key(seq: SeqView) -> tuple[bool, float, float]:
+            first = self._first.setdefault(seq.seq_id, view.now)
+            stalled = (seq.num_output_tokens > 1
+                       and view.now - seq.wait_start > self.stall_share * (seq.wait_start - first))
+            return (not stalled, seq.wait_start if stalled else self.rate(seq, view.now),
+                    seq.arrival_time)
+        return sorted(_candidates(view), key=key)
+
+
 RULES: tuple[type[AlignedPolicy], ...] = (
     StrictAdmission, FewestGeneratedIn, MostOutputLeft, MostGeneratedOut, MostBlocksOut,
-    LooseEvictions, ShortestFirst, GrowthKept16, GrowthKept64)
+    LooseEvictions, ShortestFirst, GrowthKept16, GrowthKept64, SlowestProgressFirst,
+    SlowestProgressStallBound)
 
 
 def seed_runs(seed: int) -> dict[str, list[tuple[float, float, bool]]]:
