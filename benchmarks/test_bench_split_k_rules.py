@@ -177,8 +177,12 @@ class _ByProgressRate(AlignedPolicy):
         super().add(seq)
         self._first.setdefault(seq.seq_id, seq.wait_start)
 
+    def first_token(self, seq: SeqView, now: float) -> float:
+        """When ``seq``'s first token came (``now`` for one never pooled)."""
+        return self._first.setdefault(seq.seq_id, now)
+
     def rate(self, seq: SeqView, now: float) -> float:
-        since = now - self._first.setdefault(seq.seq_id, now)
+        since = now - self.first_token(seq, now)
         return seq.num_output_tokens / since if since > 0 else math.inf
 
     def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
@@ -204,9 +208,9 @@ class SlowestProgressStallBound(_ByProgressRate):
 
     def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
         def key(seq: SeqView) -> tuple[bool, float, float]:
-            first = self._first.setdefault(seq.seq_id, view.now)
+            ran = seq.wait_start - self.first_token(seq, view.now)
             stalled = (seq.num_output_tokens > 1
-                       and view.now - seq.wait_start > self.stall_share * (seq.wait_start - first))
+                       and view.now - seq.wait_start > self.stall_share * ran)
             return (not stalled, seq.wait_start if stalled else self.rate(seq, view.now),
                     seq.arrival_time)
         return sorted(_candidates(view), key=key)
