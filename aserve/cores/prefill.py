@@ -80,7 +80,9 @@ class PrefillCore(Core):
             if move is not None:
                 return [move]
             self._left()
-        return self.forward(now) if self.waiting and not self.held() else None
+        self.reap(now)
+        quota = self.quota() if self.waiting else 0
+        return self.forward(now, quota) if quota else None
 
     def held(self) -> bool:
         """Whether the policy holds the next prefill back (`Policy.prefill_quota`), where
@@ -100,12 +102,11 @@ class PrefillCore(Core):
                     s.request.arrival_time) for s in self.waiting]
         return self.policy.prefill_quota(len(self.life.unstarted), running, waiting)
 
-    def forward(self, now: float) -> Forward | None:
-        """The next packed prefill: waiting seqs, in line (``quota`` puts them in line),
-        up to the token budget and the policy's quota, whose KV fits."""
-        self.reap(now)
+    def forward(self, now: float, quota: int) -> Forward | None:
+        """The next packed prefill: up to ``quota`` waiting seqs (reaped and put in line
+        by ``quota()``, asked once per prefill), in line, up to the token budget, whose
+        KV fits."""
         shortest_first = self.shares_device and self.policy.prefills_shortest_first()
-        quota = self.quota()
         budget = self.sched.max_prefill_tokens
         latest = 0  # the latest submission prefilled
         batch: list[SeqState] = []
