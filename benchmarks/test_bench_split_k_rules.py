@@ -216,10 +216,42 @@ class SlowestProgressStallBound(_ByProgressRate):
         return sorted(_candidates(view), key=key)
 
 
+class _ToldOutputs(AlignedPolicy):
+    """An oracle for this bench only: told every request's output length (``outputs``,
+    request id -> tokens, set by ``seed_runs`` for each member), which no policy serving
+    requests knows. It says whether knowing the tail's length would let a rule shorten
+    it within the latency bound."""
+
+    outputs: dict[str, int] = {}
+
+    def left(self, seq: SeqView) -> int:
+        """Tokens ``seq`` has still to generate."""
+        return self.outputs[seq.seq_id] - seq.num_output_tokens
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        return sorted(_candidates(view), key=lambda s: (-self.left(s), s.arrival_time))
+
+
+@register_policy
+class ToldMostLeftIn(_ToldOutputs):
+    name = "rule-told-most-left-in"
+    rule = ("told each request's output length: admit the most tokens left first, evict the "
+            "latest arrivals")
+
+
+@register_policy
+class ToldMostLeftFirst(_ToldOutputs):
+    name = "rule-told-most-left-first"
+    rule = "the same, evicting the fewest tokens left first"
+
+    def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
+        return sorted(view.running, key=lambda s: (self.left(s), -s.arrival_time))
+
+
 RULES: tuple[type[AlignedPolicy], ...] = (
     StrictAdmission, FewestGeneratedIn, MostOutputLeft, MostGeneratedOut, MostBlocksOut,
     LooseEvictions, ShortestFirst, GrowthKept16, GrowthKept64, SlowestProgressFirst,
-    SlowestProgressStallBound)
+    SlowestProgressStallBound, ToldMostLeftIn, ToldMostLeftFirst)
 
 
 def seed_runs(seed: int) -> dict[str, list[tuple[float, float, bool]]]:
@@ -232,6 +264,7 @@ def seed_runs(seed: int) -> dict[str, list[tuple[float, float, bool]]]:
         blocks = sum(-(-(r.prompt_len + r.output_len) // family.BLOCK_SIZE)
                      for r in member.workload.requests)
         cluster = ClusterConfig.create(**kv, num_host_blocks=2 * blocks)
+        _ToldOutputs.outputs = {r.request_id: r.output_len for r in member.workload.requests}
         for system in systems:
             result = simulate(member.workload, system, cluster, cost)
             summary = result.summary()
