@@ -7,7 +7,9 @@ boundary swapped, registered as a policy of its own (the research API: a subclas
 overrides ``arrival_victims`` / ``arrival_admissions``), and run on every member of every
 seed of ``ASERVE_FAMILY_SEEDS`` (default 0-23) against fcfs, continuous and aligned-loose.
 A member is missed below 0.97x the best of those three in throughput or above 1.1x fcfs's
-P99 TPOT. Writes ``benchmarks/results/split_k_rules.md``::
+P99 TPOT. The last two rules are oracles, told each request's output length by this bench
+(``_ToldOutputs``): the orders that shorten a makespan, run knowing the outputs. Writes
+``benchmarks/results/split_k_rules.md``::
 
     .venv/bin/python -m pytest -s -m bench benchmarks/test_bench_split_k_rules.py
 """
