@@ -70,21 +70,24 @@ class FewestGeneratedIn(AlignedPolicy):
 
 
 class _EvictsByKey(AlignedPolicy):
-    """Evicts the running seqs in ``victim_key`` order, latest arrivals first on ties."""
+    """Evicts the running seqs in ``victim_key`` order (at the boundary's time), latest
+    arrivals first on ties."""
 
-    @staticmethod
-    def victim_key(seq: SeqView) -> float:
+    def victim_key(self, seq: SeqView, now: float) -> float:
         return 0.0
 
     def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
-        return sorted(view.running, key=lambda s: (self.victim_key(s), -s.arrival_time))
+        return sorted(view.running,
+                      key=lambda s: (self.victim_key(s, view.now), -s.arrival_time))
 
 
 @register_policy
 class MostGeneratedOut(_EvictsByKey):
     name = "rule-most-generated-out"
     rule = "evict the most tokens generated, admit oldest first"
-    victim_key = staticmethod(lambda seq: -seq.num_output_tokens)
+
+    def victim_key(self, seq: SeqView, now: float) -> float:
+        return -seq.num_output_tokens
 
 
 @register_policy
@@ -97,7 +100,9 @@ class MostOutputLeft(MostGeneratedOut, FewestGeneratedIn):
 class MostBlocksOut(_EvictsByKey):
     name = "rule-most-blocks-out"
     rule = "evict the most blocks first, admit oldest first"
-    victim_key = staticmethod(lambda seq: -seq.num_blocks)
+
+    def victim_key(self, seq: SeqView, now: float) -> float:
+        return -seq.num_blocks
 
 
 @register_policy
@@ -165,7 +170,7 @@ class GrowthKept64(_GrowthKept):
     steps = 64
 
 
-class _ByProgressRate(AlignedPolicy):
+class _ByProgressRate(_EvictsByKey):
     """Each seq's progress rate: tokens generated over the time since its first token (when
     it first entered the pool, ``wait_start``); the fastest evicted first, the slowest
     admitted first. A processor-sharing order: it spreads a backlog's progress so that its
@@ -187,8 +192,8 @@ class _ByProgressRate(AlignedPolicy):
         since = now - self.first_token(seq, now)
         return seq.num_output_tokens / since if since > 0 else math.inf
 
-    def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
-        return sorted(view.running, key=lambda s: (-self.rate(s, view.now), -s.arrival_time))
+    def victim_key(self, seq: SeqView, now: float) -> float:
+        return -self.rate(seq, now)
 
     def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
         return sorted(_candidates(view), key=lambda s: (self.rate(s, view.now), s.arrival_time))
@@ -242,12 +247,12 @@ class ToldMostLeftIn(_ToldOutputs):
 
 
 @register_policy
-class ToldMostLeftFirst(_ToldOutputs):
+class ToldMostLeftFirst(_EvictsByKey, _ToldOutputs):
     name = "rule-told-most-left-first"
     rule = "the same, evicting the fewest tokens left first"
 
-    def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
-        return sorted(view.running, key=lambda s: (self.left(s), -s.arrival_time))
+    def victim_key(self, seq: SeqView, now: float) -> float:
+        return self.left(seq)
 
 
 RULES: tuple[type[AlignedPolicy], ...] = (
