@@ -111,6 +111,14 @@ def sizes(member: Member) -> dict[str, int]:
                 num_staging_blocks=2 * decode, max_batch_size=2 * batch, min_requests=batch)
 
 
+def cluster_of(member: Member) -> ClusterConfig:
+    """The simulated cluster ``member`` runs on: its `sizes`, a host pool of twice all its
+    requests' blocks."""
+    blocks = sum(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE)
+                 for r in member.workload.requests)
+    return ClusterConfig.create(**sizes(member), num_host_blocks=2 * blocks)
+
+
 def sim_rows(member: Member, cluster: ClusterConfig, cost: CostModel
              ) -> tuple[dict[str, dict[str, float]], SimResult]:
     """Every system on ``member`` in the simulator, and fcfs's run."""
@@ -133,9 +141,7 @@ def sim_member(member: Member, cost: CostModel) -> dict[str, object]:
     the bound. NOTE: the bound's schedule runs prefills and decode steps apart, so it bounds
     the runs that do so, not the fused ones (a fused forward hides part of a step)."""
     kv = sizes(member)
-    blocks = sum(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE)
-                 for r in member.workload.requests)
-    cluster = ClusterConfig.create(**kv, num_host_blocks=2 * blocks)
+    cluster = cluster_of(member)
     rows, _ = sim_rows(member, cluster, cost)
     apart, fcfs = sim_rows(member, cluster.replace(fuse_steps=False), cost)
     b = bubble(fcfs.iterations, cost)

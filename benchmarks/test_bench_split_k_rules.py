@@ -38,7 +38,6 @@ from scheduler.batching import (
 )
 from scheduler.policy import PolicyConfig, register_policy
 from sim import simulate
-from sim.cluster import ClusterConfig
 
 pytestmark = pytest.mark.bench
 
@@ -267,10 +266,7 @@ def seed_runs(seed: int) -> dict[str, list[tuple[float, float, bool]]]:
     systems = ("aligned", *OTHERS, *(rule.name for rule in RULES))
     runs: dict[str, list[tuple[float, float, bool]]] = {s: [] for s in systems}
     for member in sample_family(family.NUM_SIM, seed, max_len=family.MAX_LEN):
-        kv = family.sizes(member)
-        blocks = sum(-(-(r.prompt_len + r.output_len) // family.BLOCK_SIZE)
-                     for r in member.workload.requests)
-        cluster = ClusterConfig.create(**kv, num_host_blocks=2 * blocks)
+        cluster = family.cluster_of(member)
         _ToldOutputs.outputs = {r.request_id: r.output_len for r in member.workload.requests}
         for system in systems:
             result = simulate(member.workload, system, cluster, cost)
