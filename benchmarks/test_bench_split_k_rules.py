@@ -4,10 +4,11 @@ Where a decode step costs its total work (split-K, paged attention), `aligned` s
 arrival order (scheduler/aligned.py, ``_plan_in_arrival_order``): the latest arrivals
 evicted first, the oldest candidates admitted first. Each rule below is `aligned` with that
 boundary swapped, registered as a policy of its own (the research API: a subclass that
-overrides ``arrival_victims`` / ``arrival_admissions``), and run on every member of every
-seed of ``ASERVE_FAMILY_SEEDS`` (default 0-23) against fcfs, continuous and aligned-loose.
-A member is missed below 0.97x the best of those three in throughput or above 1.1x fcfs's
-P99 TPOT. The last two rules are oracles, told each request's output length by this bench
+overrides ``arrival_victims`` / ``arrival_admissions``, whose orders also pick the seqs of
+the backlog's tail swaps, ``_swap``), and run on every member of every seed of
+``ASERVE_FAMILY_SEEDS`` (default 0-23) against fcfs, continuous and aligned-loose. A member
+is missed below 0.97x the best of those three in throughput or above 1.1x fcfs's P99 TPOT.
+The last two rules are oracles, told each request's output length by this bench
 (``_ToldOutputs``): the orders that shorten a makespan, run knowing the outputs. Writes
 ``benchmarks/results/split_k_rules.md``::
 

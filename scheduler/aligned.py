@@ -23,6 +23,8 @@ from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
     SeqView,
+    blocks_needed,
+    blocks_to_admit,
     by_arrival,
     ceil_div,
     growth,
@@ -54,6 +56,14 @@ HEADROOM_STEPS = 64
 HEADROOM_SHARE = 0.125
 STALL_STEPS = 32
 WAITS_KEPT = 4096  # boundaries after which a wait no instance shows again is forgotten
+# NOTE: the tail of a backlog where grouping cannot pay. Once nothing is pooled and no batch
+# is staged, the candidate requests are evicted seqs waiting for blocks that only finishing
+# seqs free, and arrival order lets the longest-evicted of them sit out that whole stretch,
+# to finish alone, steps after the rest, whatever is left of its output. So there a seq
+# stalled SWAP_STEPS boundaries takes the room of running seqs (``arrival_victims`` first)
+# that have made SWAP_STEPS tokens since they joined: each pause of the tail is bounded,
+# and no seq waits on its own at the end. Each swap is two KV copies per SWAP_STEPS steps.
+SWAP_STEPS = 8
 
 
 def _first_cut_vectorised(times: RunTimes, items: Sequence[tuple[int, object, int]],
@@ -127,6 +137,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         # key -> (its wait_start, boundaries waited, the tick it was last seen)
         self._waits: dict[tuple[str, object], tuple[float, int, int]] = {}
         self._tick = 0  # plan_boundary calls so far
+        self._joined: dict[str, int] = {}  # seq -> tokens it had when admitted (``_swap``)
         # the last cut of the pool and the waiting prompts (``_next_batch``): what it cut
         # (their lengths and blocks, the room, the model) and its first batch's size
         self._last_cut: tuple[tuple[object, ...], int] | None = None
@@ -504,7 +515,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         running = [s.length for s in view.running]
         if not self.alignment_pays([*running, *(s.length for s in (
                 *view.candidate_requests, *view.candidate_batch))]):
-            return self._plan_in_arrival_order(view)
+            plan = self._plan_in_arrival_order(view)
+            if plan == BoundaryPlan():
+                plan = self._swap(view, waited)
+            self._note_joins(view, plan)
+            return plan
         # NOTE: one pass over the running seqs for the growth that admissions reserve; the
         # next step's own growth is at most that, so only a larger one can call for evictions.
         reserve = growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
@@ -597,6 +612,50 @@ class AlignedPolicy(AlignedStrictPolicy):
         requests = {s.seq_id for s in view.candidate_requests}
         return BoundaryPlan(admit_requests=tuple(i for i in ids if i in requests),
                             admit_batch=tuple(i for i in ids if i not in requests))
+
+    def _swap(self, view: BoundaryView, waited: dict[tuple[str, object], int]
+              ) -> BoundaryPlan:
+        """In a backlog's tail (nothing pooled, no candidate batch; see ``SWAP_STEPS``), the
+        first candidate request in ``arrival_admissions`` order that has waited
+        ``SWAP_STEPS`` boundaries joins in place of running seqs, in ``arrival_victims``
+        order, that have made ``SWAP_STEPS`` tokens since they joined, as many as its
+        blocks and growth need; none if that many cannot free its room."""
+        if len(self) or view.candidate_batch or not view.candidate_requests:
+            return BoundaryPlan()
+        seq = next((s for s in self.arrival_admissions(view)
+                    if waited.get(("seq", s.seq_id), 0) >= SWAP_STEPS), None)
+        if seq is None:
+            return BoundaryPlan()
+        # room: blocks free beyond the kept seqs' growth, and slots
+        room = view.free_blocks - growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
+        slots = view.max_batch_size - len(view.running)
+        need = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
+        victims = []
+        for victim in self.arrival_victims(view):
+            if room >= need and slots > 0:
+                break
+            if victim.num_output_tokens - self._joined.get(victim.seq_id, 0) < SWAP_STEPS:
+                continue
+            victims.append(victim.seq_id)
+            room += victim.num_blocks + blocks_needed(victim, view.block_size, ADMIT_LOOKAHEAD)
+            slots += 1
+        if not victims or room < need or slots <= 0:
+            return BoundaryPlan()
+        return BoundaryPlan(evict=tuple(victims), admit_requests=(seq.seq_id,))
+
+    def _note_joins(self, view: BoundaryView, plan: BoundaryPlan) -> None:
+        """Remembers the tokens each seq ``plan`` admits has so far (``_swap`` counts a
+        victim's tokens from there); forgets seqs no longer at the boundary now and then."""
+        admitted = {*plan.admit_requests, *plan.admit_batch}
+        if not admitted:
+            return
+        for s in (*view.candidate_requests, *view.candidate_batch):
+            if s.seq_id in admitted:
+                self._joined[s.seq_id] = s.num_output_tokens
+        if len(self._joined) > WAITS_KEPT:
+            here = {s.seq_id for s in (*view.running, *view.candidate_requests,
+                                       *view.candidate_batch)}
+            self._joined = {k: v for k, v in self._joined.items() if k in here}
 
     def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
         """Eviction order where grouping cannot pay: the latest arrivals first."""

@@ -114,6 +114,37 @@ async def test_small_decode_cache_forces_evictions_and_all_complete(policy: str)
     assert evictions > 0
 
 
+async def test_tail_swaps_keep_every_seqs_kv_intact(tiny_checkpoint: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aligned` on paged attention swaps stalled seqs in for running ones in a backlog's
+    tail (scheduler/aligned.py, ``_swap``): each swap moves KV out and back in, and the
+    greedy outputs still match transformers."""
+    from scheduler import aligned
+
+    swaps: list[object] = []
+    swap = aligned.AlignedPolicy._swap
+
+    def counted(self, view, waited):  # type: ignore[no-untyped-def]
+        plan = swap(self, view, waited)
+        if plan.evict:
+            swaps.append(plan)
+        return plan
+
+    monkeypatch.setattr(aligned.AlignedPolicy, "_swap", counted)
+    prompts = make_prompts(12, 20, 120, 512, seed=8)
+    max_tokens = [48] * len(prompts)
+    config = make_config(str(tiny_checkpoint), dtype="float64", policy="aligned",
+                         attention="paged", num_decode_blocks=24, num_staging_blocks=64,
+                         min_requests=2)
+    async with Engine(config) as engine:
+        outs = await asyncio.gather(*(
+            collect(engine, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(prompts, max_tokens)))
+        await settle(engine)
+    assert swaps, "the small decode cache leaves evicted seqs stalled in the tail"
+    assert [o.token_ids for o in outs] == hf_greedy(tiny_checkpoint, prompts, max_tokens)
+
+
 async def test_small_host_pool_makes_prefill_wait_and_all_complete() -> None:
     prompts = make_prompts(40, 50, 120, 512, seed=6)
     # float32 tiny blocks are 16 KiB: ~24 blocks of host pool, far less than 40 prompts need
