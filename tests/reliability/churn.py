@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from aserve.engine.config import ServerConfig
 from tests.aserve.conftest import parse_metrics
 
 HEALTH_EVERY_S = 0.5
@@ -34,6 +35,7 @@ SETTLE_S = 600.0  # most seconds the server may take to finish what is left at t
 RUN_LIMIT_S = 3600.0  # most seconds the clients of one run may take in all
 READY_S = 300.0  # most seconds `aserve serve` may take to listen
 MAX_CLIENT_CONNECTIONS = 256
+CLIENT_KEEPALIVE_S = ServerConfig().keepalive_timeout / 2  # see ``run_churn``
 ALPHABET = string.ascii_letters + string.digits + "     .,"
 
 
@@ -267,8 +269,12 @@ async def run_churn(server: ServerProcess, model: str, clients: list[Client],
     `clients`, lets the server settle, and collects what a soak asserts."""
     result = ChurnResult()
     # NOTE: a pool below the server's connection cap (512 by default), as a client library
-    # keeps: arrivals the server cannot keep up with wait here instead of being refused
-    connector = aiohttp.TCPConnector(limit=MAX_CLIENT_CONNECTIONS)
+    # keeps: arrivals the server cannot keep up with wait here instead of being refused.
+    # Its idle connections close before the server's keep-alive timeout does, as a load
+    # balancer's do: a pooled connection reused just as the server closes it fails the
+    # request (ServerDisconnectedError), a race of HTTP keep-alive, not of the server.
+    connector = aiohttp.TCPConnector(limit=MAX_CLIENT_CONNECTIONS,
+                                     keepalive_timeout=CLIENT_KEEPALIVE_S)
     # NOTE: no total per request: under overload a request may wait long for a pooled
     # connection; a silent server still fails the read, and the whole run is bounded
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=SETTLE_S)
