@@ -23,6 +23,7 @@ from scheduler.batching import (
     BoundaryPlan,
     BoundaryView,
     SeqView,
+    admission_room,
     blocks_needed,
     blocks_to_admit,
     by_arrival,
@@ -626,9 +627,7 @@ class AlignedPolicy(AlignedStrictPolicy):
                     if waited.get(("seq", s.seq_id), 0) >= SWAP_STEPS), None)
         if seq is None:
             return BoundaryPlan()
-        # room: blocks free beyond the kept seqs' growth, and slots
-        room = view.free_blocks - growth(view.running, view.block_size, ADMIT_LOOKAHEAD)
-        slots = view.max_batch_size - len(view.running)
+        room, slots = admission_room(view)
         need = blocks_to_admit(seq, view.block_size, ADMIT_LOOKAHEAD)
         victims = []
         for victim in self.arrival_victims(view):
