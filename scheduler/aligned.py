@@ -400,6 +400,23 @@ class AlignedPolicy(AlignedStrictPolicy):
             return super().matching(lo, hi, max_blocks, max_requests, now)
         return []
 
+    def matching_share(self, running: Sequence[Sequence[int]], instance: int) -> float:
+        """The fastest busy instance's predicted step time over ``instance``'s (1 where it
+        is the fastest, or the only one busy).
+
+        NOTE: balance across decode instances. A window covers the lengths of its running
+        batch, so an instance whose batch holds a long prompt reports the widest one, and
+        every long prompt pooled after it matches that window alone: where a step pays for
+        its longest seq, that instance's steps are the slowest, and as long as it also takes
+        as many short requests as the others it ends a backlog last, seconds after them.
+        Each instance takes matching requests in proportion to its pace, so one that steps
+        at half the fastest's rate fills half its room."""
+        mine = running[instance]
+        busy = [lengths for lengths in running if lengths]
+        if not mine or len(busy) < 2:
+            return 1.0
+        return min(self.step_time(lengths) for lengths in busy) / self.step_time(mine)
+
     def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
         """Whether the model charges a batch for its spread of lengths: a full batch of half
         the shortest and half the longest of the pool and ``lengths`` (a running batch's

@@ -159,6 +159,12 @@ class Policy(ABC):
         starving request."""
         return []
 
+    def matching_share(self, running: Sequence[Sequence[int]], instance: int) -> float:
+        """The share of its window's room that decode instance ``instance`` may fill with
+        ``matching`` requests, given the running lengths of every decode instance
+        (``running[i]``; empty: idle or offline). 1 (the default): all of it."""
+        return 1.0
+
     def prefetch_basis(self, current: Sequence[int], running: Sequence[int]) -> Sequence[int]:
         """The lengths ``prefetch_window`` is taken over, given those of the current batch
         and of every running seq: the current batch's (the old batch would widen it), or

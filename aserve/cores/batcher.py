@@ -134,6 +134,10 @@ class BatcherCore(Core):
         self.pending.discard(instance)
 
     def report_window(self, instance: int, window: Window) -> None:
+        share = self.policy.matching_share(self.running_lengths(), instance)
+        if share < 1.0:
+            window = window._replace(max_blocks=int(window.max_blocks * share),
+                                     max_requests=int(window.max_requests * share))
         self.windows[instance] = window
         self.pending.add(instance)
 
@@ -188,6 +192,11 @@ class BatcherCore(Core):
         windows = self.windows
         return sorted(self.pending, key=lambda i: (-windows[i].max_requests,
                                                    -windows[i].max_blocks, i))
+
+    def running_lengths(self) -> list[list[int]]:
+        """The KV lengths each decode instance runs (none for one offline)."""
+        return [[] if d.core.is_offline else [s.num_tokens for s in d.core.running]
+                for d in self.wiring.decodes]
 
     def _match(self, instance: int, now: float) -> Order | None:
         """Pool requests whose length lies in the instance's running window."""
