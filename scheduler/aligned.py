@@ -411,11 +411,10 @@ class AlignedPolicy(AlignedStrictPolicy):
         as many short requests as the others it ends a backlog last, seconds after them.
         Each instance takes matching requests in proportion to its pace, so one that steps
         at half the fastest's rate fills half its room."""
-        mine = running[instance]
-        busy = [lengths for lengths in running if lengths]
-        if not mine or len(busy) < 2:
+        if not running[instance]:
             return 1.0
-        return min(self.step_time(lengths) for lengths in busy) / self.step_time(mine)
+        times = {i: self.step_time(lengths) for i, lengths in enumerate(running) if lengths}
+        return min(times.values()) / times[instance]
 
     def alignment_pays(self, lengths: Sequence[int] = ()) -> bool:
         """Whether the model charges a batch for its spread of lengths: a full batch of half

@@ -134,7 +134,9 @@ class BatcherCore(Core):
         self.pending.discard(instance)
 
     def report_window(self, instance: int, window: Window) -> None:
-        share = self.policy.matching_share(self.running_lengths(), instance)
+        # NOTE: reported as the running batch grows, so one decode instance skips the share
+        share = (self.policy.matching_share(self.running_lengths(), instance)
+                 if len(self.wiring.decodes) > 1 else 1.0)
         if share < 1.0:
             window = window._replace(max_blocks=int(window.max_blocks * share),
                                      max_requests=int(window.max_requests * share))
