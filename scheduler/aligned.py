@@ -678,8 +678,24 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
         """Admission order where grouping cannot pay: the candidate requests and the
-        candidate batch together, oldest first."""
-        return by_arrival((*view.candidate_requests, *view.candidate_batch))
+        candidate batch together, oldest first; in a backlog's tail (nothing pooled), the
+        longest waiting for its next token first (``SeqView.wait_start``; ties oldest
+        first).
+
+        NOTE: in the tail the candidates are the last batch's seqs, waiting for their
+        second token since their prefill, and evicted seqs, waiting since their eviction
+        with part of their output behind them. Arrival order puts the evicted seqs first,
+        and the last batch's seqs, all their output ahead, join last and end the backlog
+        alone in a stretch of narrow steps. Longest waiting first lets those in first and
+        bounds every wait alike. Before the tail the pool keeps sending seqs that have
+        waited since their prefill, and an evicted seq would wait behind each of them, a
+        wait its few remaining tokens share (P99 TPOT well above fcfs's on the split-K
+        family: benchmarks/test_bench_split_k_rules.py); there arrival order brings it back
+        before them."""
+        seqs = by_arrival((*view.candidate_requests, *view.candidate_batch))
+        if len(self):
+            return seqs
+        return sorted(seqs, key=lambda s: s.wait_start)  # stable: ties stay oldest first
 
     @staticmethod
     def _victims(view: BoundaryView) -> list[SeqView]:

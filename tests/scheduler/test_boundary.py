@@ -160,6 +160,28 @@ def test_aligned_serves_arrival_order_where_a_step_costs_its_total_work() -> Non
     assert got == BoundaryPlan(admit_requests=("evicted",), admit_batch=("fresh",))
 
 
+def test_aligned_admits_the_longest_waiting_first_in_a_backlogs_tail() -> None:
+    """Where grouping cannot pay and nothing is pooled (a backlog's tail), the candidate
+    that has waited longest for its next token goes first: the last batch's fresh seq,
+    waiting since its prefill, before an evicted seq that arrived earlier but waits only
+    since its eviction. While a seq is pooled, arrival order: the evicted seq first."""
+    def waiting(seq_view: SeqView, since: float, generated: int) -> SeqView:
+        return replace(seq_view, waiting_since=since, num_output_tokens=generated)
+
+    running = [seq("r1", 100, 7), seq("r2", 110, 7)]  # no growth next step
+    evicted = waiting(seq("evicted", 105, 7, arrival=1.0), since=30.0, generated=60)
+    fresh = waiting(seq("fresh", 60, 4, arrival=2.0, batch_id=CURRENT + 1), since=5.0,
+                    generated=1)
+    tail = get_policy("aligned", PolicyConfig())  # split-K's total work by default
+    # room for one of them: the fresh seq, waiting since t=5, goes before the evicted one
+    got = tail.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_batch=("fresh",))
+    backlog = get_policy("aligned", PolicyConfig())
+    backlog.add(seq("pooled", 40, 3, arrival=3.0))
+    got = backlog.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_requests=("evicted",))
+
+
 def test_a_subclass_swaps_the_arrival_order_rule() -> None:
     """A research policy overrides ``arrival_victims``, ``arrival_admissions`` and
     ``arrival_admission_is_strict`` (as benchmarks/test_bench_split_k_rules.py does) and
