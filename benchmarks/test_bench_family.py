@@ -20,7 +20,8 @@ fcfs, continuous and aligned-loose on decode tok/s and P99 TPOT, and the bound
   from a cost model fitted to the steps of these very runs (this machine, this engine).
 
 - Across seeds: ``ASERVE_FAMILY_SEEDS=0-11`` runs the simulator family on each of those
-  seeds (both kernels) and tabulates, per seed, the members that miss the targets.
+  seeds (both kernels; ``ASERVE_FAMILY_KERNELS=split-k``: one) and tabulates, per seed,
+  the members that miss the targets.
 
     ASERVE_FAMILY_SEED=1 .venv/bin/python -m pytest -m bench benchmarks/test_bench_family.py -s
 """
@@ -420,13 +421,15 @@ def sim_seed(seed: int, kernel: str) -> dict[str, object]:
                     reason="a sweep over seeds: set ASERVE_FAMILY_SEEDS, e.g. 0-11")
 def test_family_in_the_simulator_across_seeds() -> None:
     """The simulator family on every seed of ``ASERVE_FAMILY_SEEDS`` (each seed a family
-    nobody tuned to), both kernels, one process per CPU core; writes
-    family_sim_seeds.md. Asserts that every system finished every request everywhere; the
-    misses are reported, not asserted (the targets are held on the bench's seed above)."""
+    nobody tuned to), both kernels (``ASERVE_FAMILY_KERNELS=split-k``: one), one process per
+    CPU core; writes family_sim_seeds.md (one kernel: family_sim_seeds_<kernel>.md).
+    Asserts that every system finished every request everywhere; the misses are reported,
+    not asserted (the targets are held on the bench's seed above)."""
     from concurrent.futures import ProcessPoolExecutor
 
+    kernels = os.environ.get("ASERVE_FAMILY_KERNELS", "padded,split-k").split(",")
     jobs = [(seed, kernel) for seed in seeds_of(os.environ["ASERVE_FAMILY_SEEDS"])
-            for kernel in ("padded", "split-k")]
+            for kernel in kernels]
     with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
         rows = list(pool.map(sim_seed, *zip(*jobs)))
     lines = [f"Simulator family, {NUM_SIM} members per seed, calibrated on this CPU", "",
@@ -440,6 +443,7 @@ def test_family_in_the_simulator_across_seeds() -> None:
                      f"| {missed or '–'} |")
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "family_sim_seeds.md").write_text(text)
+    name = "family_sim_seeds" if len(kernels) > 1 else f"family_sim_seeds_{kernels[0]}"
+    (RESULTS / f"{name}.md").write_text(text)
     print(text)
     assert all(r["all_finished"] for r in rows), [r["seed"] for r in rows if not r["all_finished"]]

@@ -2,10 +2,11 @@
 
 Where a decode step costs its total work (split-K, paged attention), `aligned` serves
 arrival order (scheduler/aligned.py, ``_plan_in_arrival_order``): the latest arrivals
-evicted first, the oldest candidates admitted first. Each rule below is `aligned` with that
-boundary swapped, registered as a policy of its own (the research API: a subclass that
-overrides ``arrival_victims`` / ``arrival_admissions``, whose orders also pick the seqs of
-the backlog's tail swaps, ``_swap``), and run on every member of every seed of
+evicted first, the oldest candidates admitted first, and in a backlog's tail (nothing
+pooled) the candidate waiting longest for its next token first. Each rule below is
+`aligned` with that boundary swapped, registered as a policy of its own (the research
+API: a subclass that overrides ``arrival_victims`` / ``arrival_admissions``, whose orders
+also pick the seqs of the backlog's tail swaps, ``_swap``), and run on every member of every seed of
 ``ASERVE_FAMILY_SEEDS`` (default 0-23) against fcfs, continuous and aligned-loose. A member
 is missed below 0.97x the best of those three in throughput or above 1.1x fcfs's P99 TPOT.
 The last two rules are oracles, told each request's output length by this bench
@@ -33,6 +34,7 @@ from scheduler.batching import (
     BoundaryView,
     SeqView,
     blocks_to_admit,
+    by_arrival,
     growth,
     plan_evictions,
     take_in_order,
@@ -50,8 +52,41 @@ def _candidates(view: BoundaryView) -> list[SeqView]:
     return [*view.candidate_requests, *view.candidate_batch]
 
 
+class _OldestFirst(AlignedPolicy):
+    """Admits the candidates oldest first everywhere, the tail too."""
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        return by_arrival(_candidates(view))
+
+
 @register_policy
-class StrictAdmission(AlignedPolicy):
+class OldestFirstInTheTail(_OldestFirst):
+    name = "rule-oldest-first-in-the-tail"
+    rule = "arrival order in the tail too: the candidates oldest first everywhere"
+
+
+@register_policy
+class LongestWaitingFirst(AlignedPolicy):
+    name = "rule-longest-waiting-first"
+    rule = "the longest waiting for its next token first everywhere, not only in the tail"
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        return sorted(by_arrival(_candidates(view)), key=lambda s: s.wait_start)
+
+
+@register_policy
+class FewestGeneratedInTheTail(AlignedPolicy):
+    name = "rule-fewest-generated-in-the-tail"
+    rule = "in the tail (nothing pooled) the fewest tokens generated first, not the longest waiting"
+
+    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
+        if len(self):
+            return super().arrival_admissions(view)
+        return sorted(by_arrival(_candidates(view)), key=lambda s: s.num_output_tokens)
+
+
+@register_policy
+class StrictAdmission(_OldestFirst):
     """fcfs's boundary: arrival order, and the first candidate that does not fit stops
     admission."""
 
@@ -69,7 +104,7 @@ class FewestGeneratedIn(AlignedPolicy):
         return sorted(_candidates(view), key=lambda s: (s.num_output_tokens, s.arrival_time))
 
 
-class _EvictsByKey(AlignedPolicy):
+class _EvictsByKey(_OldestFirst):
     """Evicts the running seqs in ``victim_key`` order (at the boundary's time), latest
     arrivals first on ties."""
 
@@ -94,6 +129,7 @@ class MostGeneratedOut(_EvictsByKey):
 class MostOutputLeft(MostGeneratedOut, FewestGeneratedIn):
     name = "rule-most-output-left"
     rule = "most output left first: evict the most tokens generated, admit the fewest first"
+    arrival_admissions = FewestGeneratedIn.arrival_admissions
 
 
 @register_policy
@@ -106,7 +142,7 @@ class MostBlocksOut(_EvictsByKey):
 
 
 @register_policy
-class LooseEvictions(AlignedPolicy):
+class LooseEvictions(_OldestFirst):
     name = "rule-loose-evictions"
     rule = ("`aligned-loose`'s evictions (the old batch's longest, then the current's), "
             "admit oldest first")
@@ -132,7 +168,7 @@ class ShortestFirst(AlignedPolicy):
         return sorted(_candidates(view), key=lambda s: (s.length, s.arrival_time))
 
 
-class _GrowthKept(AlignedPolicy):
+class _GrowthKept(_OldestFirst):
     """Arrival order, each admission keeping ``steps`` steps of growth free for the running
     seqs and itself (the engine's rule keeps two)."""
 
@@ -250,12 +286,14 @@ class ToldMostLeftIn(_ToldOutputs):
 class ToldMostLeftFirst(_EvictsByKey, _ToldOutputs):
     name = "rule-told-most-left-first"
     rule = "the same, evicting the fewest tokens left first"
+    arrival_admissions = _ToldOutputs.arrival_admissions
 
     def victim_key(self, seq: SeqView, now: float) -> float:
         return self.left(seq)
 
 
 RULES: tuple[type[AlignedPolicy], ...] = (
+    OldestFirstInTheTail, LongestWaitingFirst, FewestGeneratedInTheTail,
     StrictAdmission, FewestGeneratedIn, MostOutputLeft, MostGeneratedOut, MostBlocksOut,
     LooseEvictions, ShortestFirst, GrowthKept16, GrowthKept64, SlowestProgressFirst,
     SlowestProgressStallBound, ToldMostLeftIn, ToldMostLeftFirst)
@@ -303,8 +341,8 @@ def test_split_k_boundary_rules() -> None:
     seeds = family.seeds_of(os.environ.get("ASERVE_FAMILY_SEEDS", "0-23"))
     with ProcessPoolExecutor(max_workers=min(len(seeds), os.cpu_count() or 1)) as pool:
         runs = list(pool.map(seed_runs, seeds))
-    rows = [rule_row("arrival order, passing one that does not fit (`aligned`)", runs,
-                     "aligned")]
+    rows = [rule_row("arrival order, passing one that does not fit; in a backlog's tail the "
+                     "longest waiting first (`aligned`)", runs, "aligned")]
     rows += [rule_row(rule.rule, runs, rule.name) for rule in RULES]  # type: ignore[attr-defined]
     members = sum(len(seed["aligned"]) for seed in runs)
     lines = [f"Split-K simulator family, seeds {os.environ.get('ASERVE_FAMILY_SEEDS', '0-23')}"
