@@ -678,9 +678,9 @@ class AlignedPolicy(AlignedStrictPolicy):
 
     def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
         """Admission order where grouping cannot pay: the candidate requests and the
-        candidate batch together, oldest first; in a backlog's tail (nothing pooled), the
-        longest waiting for its next token first (``SeqView.wait_start``; ties oldest
-        first).
+        candidate batch together, oldest first; in a backlog's tail (nothing pooled, and
+        nothing arrived since the candidates began to wait), the longest waiting for its
+        next token first (``SeqView.wait_start``; ties oldest first).
 
         NOTE: in the tail the candidates are the last batch's seqs, waiting for their
         second token since their prefill, and evicted seqs, waiting since their eviction
@@ -691,9 +691,11 @@ class AlignedPolicy(AlignedStrictPolicy):
         waited since their prefill, and an evicted seq would wait behind each of them, a
         wait its few remaining tokens share (P99 TPOT well above fcfs's on the split-K
         family: benchmarks/test_bench_split_k_rules.py); there arrival order brings it back
-        before them."""
+        before them. Under a stream the pool empties between arrivals, but a request that
+        arrived after a candidate began to wait says the backlog goes on: arrival order
+        there too."""
         seqs = by_arrival((*view.candidate_requests, *view.candidate_batch))
-        if len(self):
+        if len(self) or not seqs or self._last_arrival >= min(s.wait_start for s in seqs):
             return seqs
         return sorted(seqs, key=lambda s: s.wait_start)  # stable: ties stay oldest first
 

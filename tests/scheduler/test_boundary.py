@@ -164,7 +164,8 @@ def test_aligned_admits_the_longest_waiting_first_in_a_backlogs_tail() -> None:
     """Where grouping cannot pay and nothing is pooled (a backlog's tail), the candidate
     that has waited longest for its next token goes first: the last batch's fresh seq,
     waiting since its prefill, before an evicted seq that arrived earlier but waits only
-    since its eviction. While a seq is pooled, arrival order: the evicted seq first."""
+    since its eviction. While a seq is pooled, or once a request arrived after the fresh seq
+    began to wait (a stream), arrival order: the evicted seq first."""
     def waiting(seq_view: SeqView, since: float, generated: int) -> SeqView:
         return replace(seq_view, waiting_since=since, num_output_tokens=generated)
 
@@ -179,6 +180,11 @@ def test_aligned_admits_the_longest_waiting_first_in_a_backlogs_tail() -> None:
     backlog = get_policy("aligned", PolicyConfig())
     backlog.add(seq("pooled", 40, 3, arrival=3.0))
     got = backlog.plan_boundary(view(running, 9, requests=(evicted,), batch=(fresh,)))
+    assert got == BoundaryPlan(admit_requests=("evicted",))
+    # a stream: a request that arrived after the fresh seq began to wait is running
+    stream = get_policy("aligned", PolicyConfig())
+    later = [*running[:1], seq("r2", 110, 7, arrival=6.0)]
+    got = stream.plan_boundary(view(later, 9, requests=(evicted,), batch=(fresh,)))
     assert got == BoundaryPlan(admit_requests=("evicted",))
 
 
