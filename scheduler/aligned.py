@@ -497,7 +497,7 @@ class AlignedPolicy(AlignedStrictPolicy):
         room, evict the old batch's longest, then the current batch's. Where grouping cannot
         pay (``alignment_pays`` over the pool and the lengths at hand), arrival order
         (``_plan_in_arrival_order``: evict the latest arrivals first, admit the oldest first,
-        past one that does not fit yet).
+        or in a backlog's tail the longest waiting, past one that does not fit yet).
         Otherwise, candidate requests stalled beyond ``STALL_STEPS`` steps go first
         (``_stalled``: while later arrivals came, or within the running seqs' lengths),
         strictly in the order they stalled (nothing else joins until they do). Otherwise,
@@ -602,8 +602,8 @@ class AlignedPolicy(AlignedStrictPolicy):
         """The boundary where grouping cannot pay: short of room, evict in
         ``arrival_victims`` order (the latest arrivals first); otherwise admit the
         candidates (requests and batch together) in ``arrival_admissions`` order (the oldest
-        first), past one that does not fit yet (``arrival_admission_is_strict``: stopping
-        there, as fcfs does).
+        first; in a backlog's tail the longest waiting first), past one that does not fit
+        yet (``arrival_admission_is_strict``: stopping there, as fcfs does).
 
         NOTE: where a step costs its total work, every schedule reads the same KV, and what
         it pays beyond that is a step's fixed part per step. Arrival order bounds every
