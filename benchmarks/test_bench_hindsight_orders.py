@@ -2,7 +2,8 @@
 in hindsight, over the order in which requests are admitted and evicted.
 
 Where a decode step costs its total work (split-K), `aligned` admits the oldest candidates
-first and evicts the latest arrivals first (scheduler/aligned.py). On the members of seeds
+first (in a backlog's tail, the longest waiting first) and evicts the latest arrivals first
+(scheduler/aligned.py). On the members of seeds
 ``ASERVE_FAMILY_SEEDS`` (default 0-23) where it misses (below 0.97x the best of fcfs,
 continuous and aligned-loose, or above 1.1x fcfs's P99 TPOT), this bench asks whether any
 order would meet both targets: `aligned` with its arrival order swapped for a priority
