@@ -45,8 +45,9 @@ import pytest
 from bench.family import Member, sample_family
 from bench.workloads import Workload, WorkloadRequest
 from benchmarks import test_bench_family as family
+from benchmarks.test_bench_split_k_rules import OldestFirstInTheTail
 from scheduler.aligned import AlignedPolicy
-from scheduler.batching import BoundaryView, SeqView, by_arrival
+from scheduler.batching import BoundaryView, SeqView
 from scheduler.policy import register_policy
 from sim import simulate
 
@@ -76,17 +77,6 @@ class HindsightOrder(AlignedPolicy):
 
     def arrival_victims(self, view: BoundaryView) -> list[SeqView]:
         return sorted(view.running, key=lambda s: -self.priority[s.seq_id])
-
-
-@register_policy
-class OldestFirst(AlignedPolicy):
-    """`aligned` admitting oldest first in a backlog's tail too: the order ``HindsightOrder``
-    serves given the requests in arrival order."""
-
-    name = "hindsight-oldest-first"
-
-    def arrival_admissions(self, view: BoundaryView) -> list[SeqView]:
-        return by_arrival((*view.candidate_requests, *view.candidate_batch))
 
 
 def is_miss(point: Point) -> bool:
@@ -163,7 +153,7 @@ def search_member(seed: int, index: int) -> dict[str, object]:
     requests = member.workload.requests
     judge = Judge(member, member.workload)
     arrival = [r.request_id for r in requests]
-    same_as_oldest = judge.order(arrival) == judge.point(judge.run(OldestFirst.name))
+    same_as_oldest = judge.order(arrival) == judge.point(judge.run(OldestFirstInTheTail.name))
 
     def ids(key: Callable[[WorkloadRequest], int]) -> list[str]:
         return [r.request_id for r in sorted(requests, key=key)]
@@ -271,8 +261,8 @@ def write_table(name: str, lines: list[str], rows: list[dict[str, Any]]) -> None
 def test_hindsight_orders() -> None:
     """On every member `aligned` misses (if any), the search's order finishes every request, and
     the arrival order run through ``HindsightOrder`` is the run of `aligned` admitting oldest
-    first in the tail too (``OldestFirst``) to the digit (the search changes the order and
-    nothing else)."""
+    first in the tail too (the split-K rules bench's ``OldestFirstInTheTail``) to the digit
+    (the search changes the order and nothing else)."""
     spec, rows = searched(search_member)
     lines = [f"Split-K simulator family, seeds {spec}: the members where `aligned` misses, "
              "and the best priority order a hindsight search found (x the best of "
