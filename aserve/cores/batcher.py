@@ -144,16 +144,16 @@ class BatcherCore(Core):
         self.pending.add(instance)
 
     def next_order(self, now: float) -> Order | None:
-        """A batch for the first waiting instance, if the pool can fill one, else matching
-        requests for the first window that asks; None when there is nothing to do. An
-        instance waits while it `wants_batch` and none is being staged for it (a second
-        batch would overwrite the first)."""
+        """A batch for the waiting instance with the most room (`roomiest`), if the pool
+        can fill one, else matching requests for the first window that asks; None when
+        there is nothing to do. An instance waits while it `wants_batch` and none is being
+        staged for it (a second batch would overwrite the first)."""
         staging = {order.instance for order in self.orders if order.batch_id >= 0}
-        waiting = next((i for i, decode in enumerate(self.wiring.decodes)
-                        if decode.core.wants_batch and i not in staging), None)
+        waiting = self.roomiest([i for i, decode in enumerate(self.wiring.decodes)
+                                 if decode.core.wants_batch and i not in staging])
         if waiting is not None and self.seqs:
             # NOTE: the policy's batch does not depend on the instance (`next_batch` is a
-            # query of the pool), so only the first waiting instance is asked for
+            # query of the pool), so only one waiting instance is asked for
             batch = self.sched.max_batch_size
             self.policy.incoming = self.incoming()
             ids = self.policy.next_batch(self.batch_blocks, batch, now)
@@ -183,6 +183,20 @@ class BatcherCore(Core):
             waiting = () if core.held() else core.waiting
             lengths += (seq.num_tokens for seq in (*waiting, *core.prefilling, *core.blocked))
         return lengths
+
+    def roomiest(self, instances: list[int]) -> int | None:
+        """Of ``instances``, the one with the most room (`DecodeCore.room`: free decode
+        blocks, then free slots; ties by index); None if there are none.
+
+        NOTE: instances wait together whenever the pool runs dry (the prefill instances
+        set the pace, and in a backlog's tail). In index order decode0 took every batch
+        the pool gained while the others idled: its running batch grew past theirs, its
+        seqs waited behind its long steps and evictions for their tokens, and it ended
+        last. The most room first sends each batch where it gets in soonest."""
+        if not instances:
+            return None
+        rooms = {i: self.wiring.decodes[i].core.room() for i in instances}
+        return min(instances, key=lambda i: (-rooms[i][0], -rooms[i][1], i))
 
     def match_order(self) -> list[int]:
         """The instances whose window wants a matching pass, the one with the most room

@@ -256,13 +256,17 @@ class DecodeCore(Core):
         window = self.policy.prefetch_window(lengths)
         if window != self.window:
             self.window = window
-            # NOTE: room net of what the candidate requests buffer already holds: matching
-            # requests beyond what the batch can take would drain the pool into staging,
-            # and the next batch would then be chosen from what little is left there.
-            held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
-            slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
-            room = Window(*window, self.kv.free_blocks(self.name) - held, slots)
-            self.wiring.to_batcher(WindowReport(self.index, room))
+            self.wiring.to_batcher(WindowReport(self.index, Window(*window, *self.room())))
+
+    def room(self) -> tuple[int, int]:
+        """The decode blocks and batch slots free for what the batcher sends next.
+
+        NOTE: net of what the candidate requests buffer already holds: matching requests
+        beyond what the batch can take would drain the pool into staging, and the next
+        batch would then be chosen from what little is left there."""
+        held = sum(self.kv.blocks_for(s.num_computed_tokens) for s in self.cand_requests)
+        slots = self.sched.max_batch_size - len(self.running) - len(self.cand_requests)
+        return self.kv.free_blocks(self.name) - held, slots
 
     def fail(self, error: str, now: float) -> None:
         """The forward pass failed: the running batch ends with an error; the candidate

@@ -211,6 +211,25 @@ def test_starvation_control_acts_in_simulation(system: str) -> None:
     assert wait_off > 3 * wait_on, (wait_on, wait_off)
 
 
+@pytest.mark.parametrize("system", ["fcfs", "aligned"])
+def test_the_pool_sends_each_batch_to_the_waiting_instance_with_the_most_room(
+        system: str) -> None:
+    """Requests that reach the pool one at a time, while every decode instance waits for a
+    batch, are spread over the instances: each goes where the most room is, not to
+    decode0 each time (which then ran every request in one growing batch while the other
+    two idled)."""
+    config = ClusterConfig.create(prefill_devices=("p",), decode_devices=("d0", "d1", "d2"))
+    workload = _workload(*((f"r{i}", 8, 12, 1.5 * i) for i in range(6)))  # one per prefill
+    result = simulate(workload, system, config, _unit_cost())
+    assert result.num_finished == 6
+    widest = Counter()
+    for it in result.iterations:
+        if it.instance.startswith("decode"):
+            widest[it.instance] = max(widest[it.instance], it.batch_size)
+    assert sorted(widest) == ["decode0", "decode1", "decode2"]
+    assert max(widest.values()) == 2
+
+
 def test_the_decode_window_with_the_most_room_matches_first() -> None:
     """Dynamic prefetch serves the decode instances' windows roomiest first (free slots,
     then blocks), not by index: in index order decode0 had the first pick of every pooled
