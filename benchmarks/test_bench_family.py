@@ -58,7 +58,7 @@ from sim.cluster import ClusterConfig
 pytestmark = pytest.mark.bench
 RESULTS = Path(__file__).resolve().parent / "results"
 DATA = Path(__file__).resolve().parent / "data"
-SEED = int(os.environ.get("ASERVE_FAMILY_SEED", "1"))  # held out: developed on seed 0
+SEED = int(os.environ.get("ASERVE_FAMILY_SEED", "1"))  # other seeds: ASERVE_FAMILY_SEEDS
 NUM_SIM = int(os.environ.get("ASERVE_FAMILY_SIM", "24"))
 NUM_ENGINE = int(os.environ.get("ASERVE_FAMILY_ENGINE", "6"))
 # the engine members to run, by index (default all NUM_ENGINE), e.g. "1,3" to repeat two
