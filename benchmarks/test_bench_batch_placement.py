@@ -40,7 +40,7 @@ ROOMIEST = BatcherCore.roomiest
 
 
 def index_order(self: BatcherCore, instances: list[int]) -> int | None:
-    """The order before `roomiest`: the first waiting instance by index."""
+    """The baseline: the first waiting instance by index, whatever its room."""
     return min(instances, default=None)
 
 
