@@ -150,8 +150,9 @@ class BatcherCore(Core):
         staged for it (a second batch would overwrite the first)."""
         staging = {order.instance for order in self.orders if order.batch_id >= 0}
         waiting = self.roomiest([i for i, decode in enumerate(self.wiring.decodes)
-                                 if decode.core.wants_batch and i not in staging])
-        if waiting is not None and self.seqs:
+                                 if decode.core.wants_batch and i not in staging]
+                                ) if self.seqs else None  # rooms only when a batch may go
+        if waiting is not None:
             # NOTE: the policy's batch does not depend on the instance (`next_batch` is a
             # query of the pool), so only one waiting instance is asked for
             batch = self.sched.max_batch_size
